@@ -1,0 +1,177 @@
+"""The paper's benchmark models as lazy workloads.
+
+``get(name, **params)`` builds nothing: it returns a :class:`Workload` whose ``build_model()``,
+``build_inputs()`` and ``loss()`` are called by capture/measure, possibly under a fake-tensor
+mode, so paper-scale configurations cost no real memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from memplan.errors import bad_arg
+from memplan.models.gpt import GPT
+from memplan.models.lstm import LSTM
+from memplan.models.resnet import ResNet
+
+__all__ = ["Workload", "get", "names", "defaults"]
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A model config plus example inputs and loss, built on demand."""
+
+    name: str
+    params: dict[str, Any]
+    _build_model: Callable[[], nn.Module] = field(repr=False)
+    _build_inputs: Callable[[torch.Generator | None], tuple[torch.Tensor, ...]] = field(repr=False)
+    _loss: Callable[[Any], torch.Tensor] = field(repr=False)
+
+    def build_model(self) -> nn.Module:
+        """A freshly initialised model in train mode (seeded: the same weights every call)."""
+        torch.manual_seed(int(self.params.get("seed", 0)))
+        return self._build_model().train()
+
+    def build_inputs(self) -> tuple[torch.Tensor, ...]:
+        """Example inputs, deterministic for a given seed."""
+        gen = torch.Generator().manual_seed(int(self.params.get("seed", 0)) + 1)
+        return self._build_inputs(gen)
+
+    def loss(self, output: Any) -> torch.Tensor:
+        """The scalar training loss from the model's output."""
+        return self._loss(output)
+
+    @property
+    def spec(self) -> str:
+        """``name:key=value,...``, the form the command line accepts."""
+        args = ",".join(f"{k}={v}" for k, v in sorted(self.params.items()))
+        return f"{self.name}:{args}"
+
+
+def _resnet(p: dict[str, Any]) -> Workload:
+    batch, size, classes = p["batch"], p["image"], p["classes"]
+
+    def inputs(gen: torch.Generator | None) -> tuple[torch.Tensor, ...]:
+        x = torch.randn(batch, 3, size, size, generator=gen)
+        y = torch.randint(0, classes, (batch,), generator=gen)
+        return x, y
+
+
+    def model() -> nn.Module:
+        return _WithTarget(ResNet(p["depth"], classes, p["dropout"]))
+
+    return Workload("resnet", p, model, inputs, _mean)
+
+
+def _lstm(p: dict[str, Any]) -> Workload:
+    steps, batch, inp, classes = p["steps"], p["batch"], p["input"], p["classes"]
+
+    def inputs(gen: torch.Generator | None) -> tuple[torch.Tensor, ...]:
+        x = torch.randn(steps, batch, inp, generator=gen)
+        y = torch.randint(0, classes, (steps, batch), generator=gen)
+        return x, y
+
+    def model() -> nn.Module:
+        return LSTM(inp, p["hidden"], p["layers"], classes, p["dropout"])
+
+    def loss(out: torch.Tensor) -> torch.Tensor:
+        return out / (steps * batch)
+
+    return Workload("lstm", p, model, inputs, loss)
+
+
+def _gpt(p: dict[str, Any]) -> Workload:
+    batch, seq, vocab = p["batch"], p["seq_len"], p["vocab"]
+
+    def inputs(gen: torch.Generator | None) -> tuple[torch.Tensor, ...]:
+        idx = torch.randint(0, vocab, (batch, seq + 1), generator=gen)
+        return idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
+
+    def model() -> nn.Module:
+        gpt = GPT(p["layers"], p["d_model"], p["heads"], seq, vocab, p["dropout"])
+        return _WithTarget(gpt, flatten=True)
+
+    return Workload("gpt", p, model, inputs, _mean)
+
+
+class _WithTarget(nn.Module):
+    """Wraps a classifier so that forward(x, target) returns the per-sample losses.
+
+    Putting the loss inside the module keeps the whole step in one forward call, which is what
+    capture and the runtime see; ``Workload.loss`` then only reduces it.
+    """
+
+    def __init__(self, net: nn.Module, flatten: bool = False) -> None:
+        super().__init__()
+        self.net = net
+        self.flatten = flatten
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        logits = self.net(x)
+        if self.flatten:
+            logits, target = logits.flatten(0, -2), target.flatten()
+        return F.cross_entropy(logits, target, reduction="none")
+
+
+def _mean(out: torch.Tensor) -> torch.Tensor:
+    return out.mean()
+
+
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "resnet": {"depth": 50, "batch": 32, "image": 224, "classes": 1000, "dropout": 0.0, "seed": 0},
+    "lstm": {
+        "steps": 64, "batch": 64, "input": 50, "hidden": 1024, "layers": 4,
+        "classes": 5000, "dropout": 0.0, "seed": 0,
+    },
+    "gpt": {
+        "layers": 12, "d_model": 768, "heads": 12, "seq_len": 1024, "vocab": 50257,
+        "batch": 8, "dropout": 0.0, "seed": 0,
+    },
+}
+_BUILDERS: dict[str, Callable[[dict[str, Any]], Workload]] = {
+    "resnet": _resnet, "lstm": _lstm, "gpt": _gpt,
+}
+
+
+def names() -> list[str]:
+    """Built-in workload names."""
+    return sorted(_BUILDERS)
+
+
+def defaults(name: str) -> dict[str, Any]:
+    """The default parameters of a built-in workload."""
+    _check_name(name)
+    return dict(_DEFAULTS[name])
+
+
+def _check_name(name: str) -> None:
+    if name not in _BUILDERS:
+        raise bad_arg("model", f"one of {names()}", name, "Pick a built-in workload name.")
+
+
+def get(name: str, **params: Any) -> Workload:
+    """A lazy workload: ``get("resnet", depth=1000, batch=32)``. Nothing is built yet."""
+    _check_name(name)
+    merged = dict(_DEFAULTS[name])
+    for key, value in params.items():
+        if key not in merged:
+            raise bad_arg(
+                f"{name} parameter", f"one of {sorted(merged)}", key,
+                f"Drop '{key}' or use one of the listed parameters.",
+            )
+        want = type(merged[key])
+        if want is float and isinstance(value, int):
+            value = float(value)
+        if not isinstance(value, want) or isinstance(value, bool):
+            raise bad_arg(f"{name}.{key}", want.__name__, value, f"Pass {key} as a {want.__name__}.")
+        if want is int and value < 1 and key != "seed":
+            raise bad_arg(f"{name}.{key}", "an integer >= 1", value, f"Use a positive {key}.")
+        if key == "dropout" and not 0.0 <= value < 1.0:
+            raise bad_arg(f"{name}.dropout", "a float in [0, 1)", value, "Use e.g. dropout=0.1.")
+        merged[key] = value
+    return _BUILDERS[name](merged)
