@@ -112,7 +112,7 @@ def _time_steps(target: Target, device: str, repeat: int) -> float:
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        target.loss_fn(model(*inputs)).backward()
+        target.loss_fn(model(*inputs)).backward()  # type: ignore[no-untyped-call]
         if cuda:
             torch.cuda.synchronize()
         if i:

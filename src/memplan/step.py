@@ -101,7 +101,7 @@ def run_step(target: Target, *, simulate: bool, record: bool, device: str | None
     """One forward+loss+backward under a tracer. Fake tensors when ``simulate``."""
     with _no_cyclic_gc(), _fake_mode(simulate) as fake:
         model, inputs = _materialise(target, fake, device)
-        params = dict(model.named_parameters())
+        params: dict[str, torch.Tensor] = dict(model.named_parameters())
         buffers = dict(model.named_buffers())
         if fake is not None and target.user_model is not None:
             params = {k: _fake_param(fake, v) for k, v in params.items()}
@@ -127,7 +127,7 @@ def run_step(target: Target, *, simulate: bool, record: bool, device: str | None
             output_ids = tuple(
                 i for i in (tracer._lookup(t) for t in _tensors((out, loss))) if i is not None
             )
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]
         param_list = list(params.values())
         for p in param_list:
             if p.grad is not None:

@@ -57,17 +57,17 @@ def _mutated_arg_positions(func: Any) -> tuple[int, ...]:
     )
 
 
-class StepTracer(TorchDispatchMode):
+class StepTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Counts live storage bytes through a step; with ``record=True`` also builds a Graph."""
 
     def __init__(self, record: bool = False) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self.record = record
         self.phase = "forward"
         self.event = -1
         self.values: list[_ValueRec] = []
         self._by_storage: dict[int, int] = {}
-        self._finalizers: list[weakref.finalize] = []
+        self._finalizers: list[weakref.finalize[Any, Any]] = []
         self.live_bytes = 0
         self.peak_bytes = 0
         self.peak_event = -1

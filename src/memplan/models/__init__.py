@@ -80,7 +80,8 @@ def _lstm(p: dict[str, Any]) -> Workload:
         return LSTM(inp, p["hidden"], p["layers"], classes, p["dropout"])
 
     def loss(out: torch.Tensor) -> torch.Tensor:
-        return out / (steps * batch)
+        mean: torch.Tensor = out / (steps * batch)
+        return mean
 
     return Workload("lstm", p, model, inputs, loss)
 
@@ -115,7 +116,8 @@ class _WithTarget(nn.Module):
         logits = self.net(x)
         if self.flatten:
             logits, target = logits.flatten(0, -2), target.flatten()
-        return F.cross_entropy(logits, target, reduction="none")
+        losses: torch.Tensor = F.cross_entropy(logits, target, reduction="none")
+        return losses
 
 
 def _mean(out: torch.Tensor) -> torch.Tensor:

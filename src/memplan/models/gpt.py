@@ -25,7 +25,8 @@ class CausalSelfAttention(nn.Module):
         q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
         p = self.attn_dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
-        return self.resid_dropout(self.proj(y.transpose(1, 2).reshape(b, t, d)))
+        out: torch.Tensor = self.resid_dropout(self.proj(y.transpose(1, 2).reshape(b, t, d)))
+        return out
 
 
 class Block(nn.Module):
@@ -43,7 +44,8 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
+        out: torch.Tensor = x + self.mlp(self.ln2(x))
+        return out
 
 
 class GPT(nn.Module):
@@ -74,4 +76,5 @@ class GPT(nn.Module):
         x = self.drop(self.tok(idx) + self.pos(pos))
         for block in self.blocks:
             x = block(x)
-        return self.head(self.ln_f(x))
+        logits: torch.Tensor = self.head(self.ln_f(x))
+        return logits

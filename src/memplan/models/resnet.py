@@ -58,7 +58,8 @@ class Bottleneck(nn.Module):
         out = self.relu1(self.bn1(self.conv1(x)))
         out = self.dropout(self.relu2(self.bn2(self.conv2(out))))
         out = self.bn3(self.conv3(out))
-        return self.relu3(out + self.shortcut(x))
+        result: torch.Tensor = self.relu3(out + self.shortcut(x))
+        return result
 
 
 class ResNet(nn.Module):
@@ -94,4 +95,5 @@ class ResNet(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.stages(self.stem(x)))
+        logits: torch.Tensor = self.head(self.stages(self.stem(x)))
+        return logits
