@@ -3,19 +3,28 @@
 from __future__ import annotations
 
 from memplan import models
+from memplan.budget import BudgetTooSmall
 from memplan.capture import capture
 from memplan.errors import ConfigError, MemplanError
 from memplan.graph import Graph
 from memplan.measure import measure
+from memplan.plan import Plan
+from memplan.planners import PLANNERS, pareto
+from memplan.planning import plan
 from memplan.report import MemoryReport
 
 __all__ = [
+    "PLANNERS",
+    "BudgetTooSmall",
     "ConfigError",
     "Graph",
     "MemoryReport",
     "MemplanError",
+    "Plan",
     "capture",
     "measure",
     "models",
+    "pareto",
+    "plan",
 ]
 __version__ = "0.1.0"

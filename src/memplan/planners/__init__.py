@@ -1,0 +1,25 @@
+"""Planners: pure deterministic functions (graph or chain, budget_bytes, **params) -> Plan."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from memplan.plan import Plan
+from memplan.planners.chen import plan_chen, plan_chen_greedy
+from memplan.planners.drop_cheap import plan_drop_cheap
+from memplan.planners.optimal import plan_optimal
+from memplan.planners.pareto import pareto
+from memplan.planners.recursive import plan_recursive
+from memplan.planners.sqrt import plan_sqrt
+
+PLANNERS: dict[str, Callable[..., Plan]] = {
+    "sqrt": plan_sqrt,
+    "chen-greedy": plan_chen_greedy,
+    "chen": plan_chen,
+    "drop-cheap": plan_drop_cheap,
+    "recursive": plan_recursive,
+    "optimal": plan_optimal,
+}
+
+__all__ = ["PLANNERS", "pareto", "plan_chen", "plan_chen_greedy", "plan_drop_cheap",
+           "plan_optimal", "plan_recursive", "plan_sqrt"]
