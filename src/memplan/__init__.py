@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from memplan import models
+from memplan.allocation import feature_map_bytes, plan_memory
 from memplan.budget import BudgetTooSmall
 from memplan.capture import capture
 from memplan.errors import ConfigError, MemplanError
@@ -22,9 +23,11 @@ __all__ = [
     "MemplanError",
     "Plan",
     "capture",
+    "feature_map_bytes",
     "measure",
     "models",
     "pareto",
     "plan",
+    "plan_memory",
 ]
 __version__ = "0.1.0"
