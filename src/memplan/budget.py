@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from memplan.report import format_bytes
+
 import re
 
 from memplan.errors import MemplanError, bad_arg
@@ -61,8 +63,5 @@ def parse_budget(budget: object, plain_peak_bytes: int | None = None) -> int:
 
 
 def fmt_bytes(n: int) -> str:
-    """Bytes as GiB/MiB/KiB for people."""
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n} B"
+    """Bytes as GiB/MiB/KiB for people (one formatter for the whole project)."""
+    return format_bytes(n)

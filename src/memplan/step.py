@@ -70,9 +70,7 @@ def _default_loss(out: Any) -> torch.Tensor:
 class StepResult:
     tracer: StepTracer
     params: list[torch.Tensor]
-    grads_kind_fixed: bool
     output_ids: tuple[int, ...]
-    n_params: int
 
 
 @contextlib.contextmanager
@@ -136,7 +134,7 @@ def run_step(target: Target, *, simulate: bool, record: bool, device: str | None
                     tracer.values[vid].kind = g.GRADIENT
         del out, loss
         tracer.close()
-        return StepResult(tracer, param_list, True, output_ids, len(param_list))
+        return StepResult(tracer, param_list, output_ids)
 
 
 def _materialise(
