@@ -15,6 +15,7 @@ PUBLIC = [
     "MemoryReport",
     "MemplanError",
     "Plan",
+    "apply",
     "capture",
     "feature_map_bytes",
     "measure",
@@ -22,6 +23,8 @@ PUBLIC = [
     "pareto",
     "plan",
     "plan_memory",
+    "unapply",
+    "verify",
 ]
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from memplan import models
 from memplan.allocation import feature_map_bytes, plan_memory
+from memplan.apply import apply, unapply
 from memplan.budget import BudgetTooSmall
 from memplan.capture import capture
 from memplan.errors import ConfigError, MemplanError
@@ -13,6 +14,7 @@ from memplan.plan import Plan
 from memplan.planners import PLANNERS, pareto
 from memplan.planning import plan
 from memplan.report import MemoryReport
+from memplan.verify import verify
 
 __all__ = [
     "PLANNERS",
@@ -22,6 +24,7 @@ __all__ = [
     "MemoryReport",
     "MemplanError",
     "Plan",
+    "apply",
     "capture",
     "feature_map_bytes",
     "measure",
@@ -29,5 +32,7 @@ __all__ = [
     "pareto",
     "plan",
     "plan_memory",
+    "unapply",
+    "verify",
 ]
 __version__ = "0.1.0"

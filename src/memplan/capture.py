@@ -17,7 +17,27 @@ def capture(model: Any, *inputs: Any, loss_fn: LossFn | None = None) -> g.Graph:
     """
     target = as_target(model, inputs, loss_fn)
     result = run_step(target, simulate=True, record=True)
-    return build_graph(result.tracer, target.name, result.output_ids)
+    graph = build_graph(result.tracer, target.name, result.output_ids)
+    n = result.tracer.model_ops
+    graph.meta["forward"] = {
+        "ops": n, "fingerprint": g.forward_fingerprint([o.target for o in graph.ops[:n]]),
+        "inputs": result.input_specs, "autocast": autocast_state(),
+    }
+    return graph
+
+
+def autocast_state() -> dict[str, str]:
+    """Devices with autocast on, and their dtypes: autocast changes the op sequence."""
+    import torch
+
+    out: dict[str, str] = {}
+    for device in ("cpu", "cuda"):
+        try:
+            if torch.is_autocast_enabled(device):
+                out[device] = str(torch.get_autocast_dtype(device)).removeprefix("torch.")
+        except (TypeError, RuntimeError):  # torch < 2.4 spells these differently
+            pass
+    return out
 
 
 def build_graph(tracer: StepTracer, name: str, output_ids: tuple[int, ...]) -> g.Graph:

@@ -193,3 +193,9 @@ class Graph:
 
 def _op(o: dict[str, Any]) -> Op:
     return Op(**{**o, **{k: tuple(o[k]) for k in ("inputs", "outputs", "mutated", "saved")}})
+
+
+def forward_fingerprint(targets: list[str]) -> str:
+    """sha256 of the model's forward op sequence: what the runtime checks a plan against."""
+    blob = "\n".join(targets)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]

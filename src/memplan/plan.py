@@ -45,6 +45,9 @@ class Plan:
     base_bytes: int  # parameters, buffers, inputs
     predicted_time_s: float | None = None
     notes: tuple[str, ...] = field(default=())
+    # The model's forward the plan was made for: {"ops", "fingerprint", "inputs"} (op count,
+    # op-sequence hash, example input specs); ``memplan.apply`` checks a model against it.
+    forward: dict[str, Any] | None = None
 
     @property
     def extra_fraction(self) -> float:
@@ -58,6 +61,7 @@ class Plan:
         d["stages"] = [vars(s) | {"recompute_ops": list(s.recompute_ops)} for s in self.stages]
         d["schedule"] = [C.to_dict(it) for it in self.schedule]
         d["notes"] = list(self.notes)
+        d["forward"] = self.forward
         return {"schema_version": SCHEMA_VERSION, "kind": "memplan.Plan", **d}
 
     def to_json(self) -> str:
@@ -80,7 +84,7 @@ class Plan:
             peak_bytes=data["peak_bytes"], plain_peak_bytes=data["plain_peak_bytes"],
             extra_flops=data["extra_flops"], step_flops=data["step_flops"],
             base_bytes=data["base_bytes"], predicted_time_s=data["predicted_time_s"],
-            notes=tuple(data["notes"]),
+            notes=tuple(data["notes"]), forward=data.get("forward"),
         )
 
     @classmethod

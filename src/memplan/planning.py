@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from memplan import chain as C
@@ -46,4 +47,6 @@ def plan(w_or_model: Any, *inputs: Any, loss_fn: Any = None, budget: object = No
     chain = C.build_chain(graph)
     plain_peak = C.simulate(chain, C.plain_schedule(chain))[0]
     budget_bytes = None if budget is None else parse_budget(budget, plain_peak)
-    return PLANNERS[planner](chain, budget_bytes, **params)
+    result = PLANNERS[planner](chain, budget_bytes, **params)
+    # Bind the plan to the model's forward, so that apply() can check a model against it.
+    return dataclasses.replace(result, forward=graph.meta.get("forward"))

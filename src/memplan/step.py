@@ -71,6 +71,7 @@ class StepResult:
     tracer: StepTracer
     params: list[torch.Tensor]
     output_ids: tuple[int, ...]
+    input_specs: list[dict[str, Any]]
 
 
 @contextlib.contextmanager
@@ -119,6 +120,7 @@ def run_step(target: Target, *, simulate: bool, record: bool, device: str | None
             tracer.in_model = True
             out = call(*inputs)
             tracer.in_model = False
+            tracer.model_ops = len(tracer.ops)
             loss = target.loss_fn(out)
             _check_loss(loss)
             tracer.end_forward()
@@ -134,7 +136,7 @@ def run_step(target: Target, *, simulate: bool, record: bool, device: str | None
                     tracer.values[vid].kind = g.GRADIENT
         del out, loss
         tracer.close()
-        return StepResult(tracer, param_list, output_ids)
+        return StepResult(tracer, param_list, output_ids, input_specs(inputs))
 
 
 def _materialise(
@@ -157,8 +159,42 @@ def _caller(
 ) -> Callable[..., Any]:
     if not functional:
         return model
-    state = {**params, **buffers}
-    return lambda *args: functional_call(model, state, args)
+    state = functional_state(model, {**params, **buffers})
+    return lambda *args: functional_call(model, state, args, tie_weights=False)
+
+
+def functional_state(model: nn.Module, by_name: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``by_name`` (keyed as ``named_parameters()``/``named_buffers()`` name them) spread over
+    every distinct (module, attribute) that holds one of those tensors, once each. Tied
+    weights (two modules, one parameter) get the same replacement; a submodule reached under
+    two paths is swapped once (functional_call swapping it twice restores it wrongly)."""
+    originals = dict(model.named_parameters()) | dict(model.named_buffers())
+    by_id = {id(t): by_name[name] for name, t in originals.items() if name in by_name}
+    out: dict[str, torch.Tensor] = {}
+    seen: set[tuple[int, str]] = set()
+    for name, t in list(model.named_parameters(remove_duplicate=False)) + list(
+            model.named_buffers(remove_duplicate=False)):
+        path, _, attr = name.rpartition(".")
+        key = (id(model.get_submodule(path)), attr)
+        if key not in seen and id(t) in by_id:
+            seen.add(key)
+            out[name] = by_id[id(t)]
+    return out
+
+
+def input_specs(inputs: tuple[Any, ...]) -> list[dict[str, Any]]:
+    """Plain-data description of example inputs (shapes, dtypes; simple values as they are),
+    enough to rebuild fake inputs and check a plan against a model (``memplan.apply``)."""
+    specs: list[dict[str, Any]] = []
+    for x in inputs:
+        if isinstance(x, torch.Tensor):
+            specs.append({"shape": list(x.shape), "dtype": str(x.dtype).removeprefix("torch."),
+                          "requires_grad": bool(x.requires_grad)})
+        elif x is None or isinstance(x, (bool, int, float, str)):
+            specs.append({"value": x})
+        else:
+            specs.append({"type": type(x).__name__})
+    return specs
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:

@@ -49,6 +49,14 @@ class _OpRec:
     grad_of: int = -1
 
 
+_DETACH = torch.ops.aten.detach.default
+
+
+def is_counted(func: Any) -> bool:
+    """Whether an op gets an index in the captured forward (the runtime counts the same way)."""
+    return func.namespace != "prim" and func is not _DETACH
+
+
 def _mutated_arg_positions(func: Any) -> tuple[int, ...]:
     return tuple(
         i
@@ -77,6 +85,7 @@ class StepTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.module_stack: list[tuple[str, int, int]] = []  # (path, start op, child calls)
         self.module_calls: list[g.ModuleCall] = []
         self.in_model = False
+        self.model_ops = 0  # forward ops inside the model call (the rest is the loss)
         self._paused = 0
         self._grad_of = -1
         self._pending: list[tuple[int, list[weakref.ref[torch.Tensor]], int]] = []
@@ -136,8 +145,10 @@ class StepTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         kwargs = kwargs or {}
-        if self._paused or func.namespace == "prim":
-            # prim.device & co. are metadata queries of tensor subclasses, not computation.
+        if self._paused or not is_counted(func):
+            # prim.device & co. are metadata queries of tensor subclasses, not computation;
+            # autograd dispatches detach for saved outputs only when no saved-tensor hooks are
+            # set (the runtime sets them), and detach allocates nothing.
             return func(*args, **kwargs)
         if self.record and self._pending:
             self._hook_pending_nodes()
