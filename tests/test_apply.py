@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from small import small
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -16,18 +17,17 @@ import memplan
 from memplan.apply import applied_state
 from memplan.graph import Graph
 from memplan.models import Workload
-from small import small
 
 PLANNERS = ["sqrt", "chen", "drop-cheap", "recursive", "optimal"]
 MODELS = ["resnet", "lstm", "gpt"]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _graph(name: str) -> Graph:
     return memplan.capture(small(name, dropout=0.1))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _plan(name: str, planner: str) -> memplan.Plan:
     return memplan.plan(_graph(name), planner=planner)
 

@@ -82,8 +82,8 @@ def apply(model: nn.Module, plan: Plan | str | dict[str, Any] | None = None, *,
             "from a Chain, not by memplan.plan(...)); make it with memplan.plan(model, *inputs, "
             "loss_fn=..., budget=...)."
         )
-    _check(model, plan, inputs)
-    lay = R.layout(plan, int(forward["ops"]))
+    call_ends = _check(model, plan, inputs)
+    lay = R.layout(plan, int(forward["ops"]), call_ends)
     applied = Applied(plan, lay, [], "forward" in model.__dict__, model.__dict__.get("forward"))
     protected = {id(t) for t in model.parameters()} | {id(t) for t in model.buffers()}
     original = model.forward
@@ -99,22 +99,20 @@ def apply(model: nn.Module, plan: Plan | str | dict[str, Any] | None = None, *,
         finally:
             applied.state = None
         applied.last = state
-        if state.counter != lay.n_ops and not applied.warned:
+        if not state.finished and not applied.warned:
             applied.warned = True
             warnings.warn(
-                f"memplan: this forward ran {state.counter} ops but the plan was made for "
-                f"{lay.n_ops}; gradients stay exact, but memory may differ from the plan's "
-                "prediction. Make a plan for these inputs.", stacklevel=2,
+                f"memplan: this forward passed {state.stage} of the plan's "
+                f"{len(lay.end_calls) - 1} stage boundaries (other inputs or control flow than "
+                "the plan was made for?); gradients stay exact, but memory may differ from "
+                "the prediction. Make a plan for these inputs.", stacklevel=2,
             )
         return out
 
     for path in lay.boundary_modules:
-        try:
-            mod = model.get_submodule(path)
-        except AttributeError:
-            continue  # "<end>" or the root's own end: nothing runs after it in the forward
-        applied.hooks.append(mod.register_forward_hook(_boundary_hook(applied)))
-    model.forward = types.MethodType(planned_forward, model)  # type: ignore[method-assign]
+        mod = model.get_submodule(path)
+        applied.hooks.append(mod.register_forward_hook(_boundary_hook(applied, path)))
+    model.forward = types.MethodType(planned_forward, model)
     setattr(model, _ATTR, applied)
     return model
 
@@ -127,7 +125,7 @@ def unapply(model: nn.Module) -> nn.Module:
     for h in applied.hooks:
         h.remove()
     if applied.had_forward:
-        model.forward = applied.old_forward  # type: ignore[method-assign]
+        model.forward = applied.old_forward
     else:
         del model.forward
     delattr(model, _ATTR)
@@ -139,13 +137,11 @@ def applied_state(model: nn.Module) -> Applied | None:
     return getattr(model, _ATTR, None)
 
 
-def _boundary_hook(applied: Applied) -> Any:
-    ends = applied.layout.stage_ends
-
+def _boundary_hook(applied: Applied, path: str) -> Any:
     def hook(mod: nn.Module, args: Any, out: Any) -> None:
         state = applied.state
-        if state is not None and (state.counter - 1) in ends:
-            state.boundary_at = state.counter
+        if state is not None:
+            state.on_call_end(path)
     return hook
 
 
@@ -168,10 +164,14 @@ def _as_plan(plan: Plan | str | dict[str, Any]) -> Plan:
                   "Make one with memplan.plan(...).")
 
 
-def _check(model: nn.Module, plan: Plan, inputs: tuple[Any, ...] | None) -> None:
-    """Run the forward on fake tensors and compare its op sequence with the plan's."""
+def _check(model: nn.Module, plan: Plan, inputs: tuple[Any, ...] | None
+           ) -> dict[str, list[int]]:
+    """Run the forward on fake tensors and compare its op sequence with the plan's; return
+    where the calls of the plan's stage-ending modules end (op counts)."""
     forward = plan.forward or {}
-    targets = forward_targets(model, inputs, forward.get("inputs", []), forward.get("autocast"))
+    watch = sorted({st.module for st in plan.stages if _has_module(model, st.module)})
+    targets, call_ends = forward_targets(model, inputs, forward.get("inputs", []),
+                                         forward.get("autocast"), watch)
     want_ops, want_fp = int(forward["ops"]), str(forward["fingerprint"])
     got_fp = g.forward_fingerprint(targets)
     if len(targets) != want_ops or got_fp != want_fp:
@@ -181,6 +181,15 @@ def _check(model: nn.Module, plan: Plan, inputs: tuple[Any, ...] | None) -> None
             f"fingerprint {got_fp}). The model was left untouched; make a plan for it with "
             "memplan.plan(model, *inputs, loss_fn=..., budget=...)."
         )
+    return call_ends
+
+
+def _has_module(model: nn.Module, path: str) -> bool:
+    try:
+        model.get_submodule(path)
+    except AttributeError:
+        return False  # "<end>": the end of the step, not a module
+    return True
 
 
 def _spec_inputs(specs: list[dict[str, Any]], device: torch.device) -> tuple[Any, ...]:
@@ -201,7 +210,8 @@ def _spec_inputs(specs: list[dict[str, Any]], device: torch.device) -> tuple[Any
 
 def forward_targets(model: nn.Module, inputs: tuple[Any, ...] | None,
                     specs: list[dict[str, Any]] | None = None,
-                    autocast: dict[str, str] | None = None) -> list[str]:
+                    autocast: dict[str, str] | None = None, watch: list[str] | None = None,
+                    ) -> tuple[list[str], dict[str, list[int]]]:
     """The op sequence of one training-mode forward on fake tensors (counted as capture
     counts), from real example inputs or from input specs; the model's parameters, buffers
     and the RNG are left untouched."""
@@ -225,6 +235,11 @@ def forward_targets(model: nn.Module, inputs: tuple[Any, ...] | None,
 
     was_training = model.training
     rng = torch.get_rng_state()
+    counter = Count()
+    call_ends: dict[str, list[int]] = {path: [] for path in watch or []}
+    hooks = [model.get_submodule(path).register_forward_hook(
+        lambda mod, a, o, path=path: call_ends[path].append(len(counter.targets)))
+        for path in watch or []]
     device = next(iter(model.parameters()), torch.empty(0)).device
     try:
         with FakeTensorMode(allow_non_fake_inputs=False) as fake:
@@ -237,12 +252,14 @@ def forward_targets(model: nn.Module, inputs: tuple[Any, ...] | None,
                              for x in inputs)
             model.train()
             with contextlib.ExitStack() as stack:
-                for device, dtype in (autocast or {}).items():
-                    stack.enter_context(torch.autocast(device, dtype=getattr(torch, dtype)))
-                counter = stack.enter_context(Count())
+                for kind, dtype in (autocast or {}).items():
+                    stack.enter_context(torch.autocast(kind, dtype=getattr(torch, dtype)))
+                stack.enter_context(counter)
                 stack.enter_context(torch.enable_grad())
                 functional_call(model, state, args, tie_weights=False)
-        return counter.targets
+        return counter.targets, call_ends
     finally:
+        for h in hooks:
+            h.remove()
         model.train(was_training)
         torch.set_rng_state(rng)

@@ -9,14 +9,17 @@ from memplan.step import LossFn, as_target, run_step
 from memplan.tracer import StepTracer
 
 
-def capture(model: Any, *inputs: Any, loss_fn: LossFn | None = None) -> g.Graph:
+def capture(model: Any, *inputs: Any, loss_fn: LossFn | None = None,
+            device: str | None = None) -> g.Graph:
     """Capture a Workload (``memplan.models.get(...)``) or ``model, *inputs, loss_fn=...``.
 
     Runs forward, loss and backward once under ``FakeTensorMode`` (no real memory, so
-    paper-scale models fit on a laptop) and records every aten op in order.
+    paper-scale models fit on a laptop) and records every aten op in order. ``device``
+    (Workloads only; a user model is captured where its parameters are): kernels differ by
+    device (e.g. attention on CUDA), so capture for the device you train on.
     """
     target = as_target(model, inputs, loss_fn)
-    result = run_step(target, simulate=True, record=True)
+    result = run_step(target, simulate=True, record=True, device=device)
     graph = build_graph(result.tracer, target.name, result.output_ids)
     n = result.tracer.model_ops
     graph.meta["forward"] = {

@@ -35,7 +35,6 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from memplan import chain as C
 from memplan.errors import MemplanError
 from memplan.plan import Plan
-from memplan.tracer import is_counted
 
 Pos = tuple[int, int]  # (tape entry, output index)
 
@@ -56,61 +55,65 @@ class Template:
 
 @dataclass
 class Layout:
-    """The plan as the runtime needs it: the innermost scope of every model forward op."""
+    """The plan as the runtime needs it, per stage of the model's forward."""
 
-    scope_of_op: list[Template | None]
-    stage_ends: frozenset[int]  # last forward op of every stage
-    boundary_modules: tuple[str, ...]  # modules whose calls end a stage
+    template_of_stage: list[Template | None]  # the innermost recompute scope of each stage
+    # Stage s ends when the end_calls[s][1]-th call of module end_calls[s][0] returns (None:
+    # the end of the forward). Module calls, not op counts, mark boundaries at run time, so
+    # kept stages run with no dispatch mode at all.
+    end_calls: list[tuple[str, int] | None]
     templates: list[Template]
-    mirror_of_op: list[int]  # forward executions per op beyond the first (the paper's m(v))
+    n_ops: int  # forward ops of the model
 
     @property
-    def n_ops(self) -> int:
-        return len(self.scope_of_op)
+    def boundary_modules(self) -> tuple[str, ...]:
+        return tuple(sorted({e[0] for e in self.end_calls if e is not None}))
 
 
-def layout(plan: Plan, n_ops: int) -> Layout:
-    """Index the plan's schedule by forward op; ``n_ops``: ops of the model's forward."""
-    scope: list[Template | None] = [None] * n_ops
-    mirror = [0] * n_ops
+def layout(plan: Plan, n_ops: int, call_ends: dict[str, list[int]]) -> Layout:
+    """Index the plan's schedule by stage. ``n_ops``: ops of the model's forward;
+    ``call_ends``: for each stage-ending module, the op count at the end of each of its calls
+    (from a fake forward, ``apply.forward_targets``)."""
+    stages = [st for st in plan.stages if st.first_op < n_ops]
+    scope: list[Template | None] = [None] * len(stages)
     templates: list[Template] = []
-    stages = plan.stages
-
-    def span(a: int, b: int) -> tuple[int, int]:
-        return stages[a].first_op, stages[b].last_op
 
     def walk(items: tuple[C.Item, ...], parent: Template | None) -> None:
         for it in items:
             if isinstance(it, C.Keep):
                 continue
-            if isinstance(it, C.DropCheap):
-                lo, hi = span(it.stage, it.stage)
-                t = Template("drop-cheap", lo, hi, parent, len(templates))
-            else:
-                lo, hi = span(it.start, it.end)
-                t = Template("region", lo, hi, parent, len(templates))
-            if hi >= n_ops:
+            lo, hi = (it.stage, it.stage) if isinstance(it, C.DropCheap) else (it.start, it.end)
+            if hi >= len(stages) or plan.stages[hi].last_op >= n_ops:
                 raise MemplanError(
-                    f"the plan recomputes forward ops {lo}..{hi}, but the model's forward has "
-                    f"only {n_ops} ops (the rest is the loss, which runs outside the model): "
-                    "make the plan with memplan.plan(...) for this model and loss."
+                    f"the plan recomputes stages {lo}..{hi}, which reach past the model's "
+                    f"forward ({n_ops} ops; the rest is the loss, which runs outside the "
+                    "model): make the plan with memplan.plan(...) for this model and loss."
                 )
+            kind = "drop-cheap" if isinstance(it, C.DropCheap) else "region"
+            t = Template(kind, plan.stages[lo].first_op, plan.stages[hi].last_op, parent,
+                         len(templates))
             templates.append(t)
-            for j in range(lo, hi + 1):
-                scope[j] = t
-                if t.kind == "region":
-                    mirror[j] += 1
+            for k in range(lo, hi + 1):
+                scope[k] = t
             if isinstance(it, C.Region):
                 walk(it.body, t)
 
     walk(plan.schedule, None)
-    cheap = {j for s in stages if s.mode == "drop-cheap" for j in s.recompute_ops}
-    for j in cheap:
-        if j < n_ops:
-            mirror[j] += 1
-    ends = frozenset(s.last_op for s in stages if s.last_op < n_ops)
-    modules = tuple(sorted({s.module for s in stages if s.last_op < n_ops}))
-    return Layout(scope, ends, modules, templates, mirror)
+    end_calls: list[tuple[str, int] | None] = []
+    for st in stages:
+        if st.last_op >= n_ops - 1:
+            end_calls.append(None)  # the forward's own end
+            continue
+        ends = call_ends.get(st.module, [])
+        if st.last_op + 1 not in ends:
+            raise MemplanError(
+                f"stage {st.index} of the plan ends when a call of module '{st.module}' "
+                f"returns after op {st.last_op}, but no call of it returned there in this "
+                "model's forward (is it called through .forward() rather than as a module?). "
+                "Make the plan for this model with memplan.plan(...)."
+            )
+        end_calls.append((st.module, ends.index(st.last_op + 1) + 1))
+    return Layout(scope, end_calls, templates, n_ops)
 
 
 # --- one forward's tape ------------------------------------------------------------------------
@@ -139,7 +142,7 @@ class _Entry:
 class Handle:
     """What autograd keeps for a tensor of a recomputed scope (``pos`` on the tape)."""
 
-    __slots__ = ("owner", "pos", "value", "__weakref__")
+    __slots__ = ("__weakref__", "owner", "pos", "value")
 
     def __init__(self, owner: Scope, pos: Pos) -> None:
         self.owner = owner
@@ -188,7 +191,7 @@ def _key(t: torch.Tensor) -> tuple[Any, ...]:
 
 
 def _rng_state() -> tuple[torch.Tensor, torch.Tensor | None]:
-    cuda = torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None
+    cuda = torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None  # type: ignore[no-untyped-call]
     return torch.get_rng_state(), cuda
 
 
@@ -211,28 +214,59 @@ def _rng(state: tuple[torch.Tensor, torch.Tensor | None]) -> Iterator[None]:
 
 
 class StepState:
-    """One planned forward: counts ops, records tapes, makes handles."""
+    """One planned forward: follows the stages by module calls, records tapes inside
+    recompute scopes (only there is a dispatch mode on), makes handles."""
 
     def __init__(self, lay: Layout, protected: set[int]) -> None:
         self.layout = lay
-        self.counter = 0  # forward ops done
-        self.boundary_at = -1  # counter value at which a stage-ending module call returned
+        self.stage = 0
+        self.calls: dict[str, int] = {}  # calls of stage-ending modules returned so far
         self.protected = protected  # ids of parameters and buffers: never copied at record
         self.top: Scope | None = None
         self.scopes: dict[int, Scope] = {}  # template index -> instance (this forward)
-        self.replayed_ops = 0
+        self.recorded_ops = 0
+        self.mode: PlanMode | None = None
 
-    def saving_op(self) -> int:
-        """The forward op a pack (or an uncounted op) belongs to. Autograd saves an op's inputs
-        before its kernel runs and its outputs after, so a pack between ops c-1 and c is op c's
-        unless c-1 ended a stage and that stage's module call has not returned yet."""
-        c = self.counter
-        if c > 0 and (c - 1) in self.layout.stage_ends and self.boundary_at != c:
-            return c - 1
-        return c
+    @property
+    def current(self) -> Template | None:
+        stages = self.layout.template_of_stage
+        return stages[self.stage] if self.stage < len(stages) else None
 
-    def template_of(self, op: int) -> Template | None:
-        return self.layout.scope_of_op[op] if op < self.layout.n_ops else None
+    @property
+    def finished(self) -> bool:
+        """Whether every stage boundary of the plan was seen."""
+        return self.stage >= len(self.layout.end_calls) - 1
+
+    def start(self) -> None:
+        self._sync_mode()
+
+    def stop(self) -> None:
+        self.close_top()
+        if self.mode is not None:
+            self.mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+            self.mode = None
+        self.scopes.clear()  # from now on only autograd's handles keep scopes alive
+
+    def on_call_end(self, path: str) -> None:
+        """A stage-ending module's call returned: maybe the next stage begins. Autograd saved
+        the last op's outputs before this, and saves the next op's inputs after it."""
+        n = self.calls.get(path, 0) + 1
+        self.calls[path] = n
+        ends = self.layout.end_calls
+        if self.stage < len(ends) and ends[self.stage] == (path, n):
+            self.stage += 1
+            self._sync_mode()
+
+    def _sync_mode(self) -> None:
+        t = self.current
+        if t is None or (self.top is not None and self.top.template is not _root(t)):
+            self.close_top()
+        if t is not None and self.mode is None:
+            self.mode = PlanMode(self)
+            self.mode.__enter__()  # type: ignore[no-untyped-call]
+        elif t is None and self.mode is not None:
+            self.mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+            self.mode = None
 
     def scope_for(self, t: Template) -> Scope:
         s = self.scopes.get(t.index)
@@ -259,19 +293,11 @@ class StepState:
     # the dispatch side
 
     def run_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        counted = is_counted(func)
-        op = self.counter if counted else self.saving_op()
-        t = self.template_of(op)
-        if t is None:
-            self.close_top()
-            out = func(*args, **kwargs)
-        else:
-            if self.top is not None and self.top.template is not _root(t):
-                self.close_top()
-            out = self._record(self.scope_for(t), func, args, kwargs)
-        if counted:
-            self.counter += 1
-        return out
+        t = self.current
+        if t is None:  # a hook left the mode on: nothing to record
+            return func(*args, **kwargs)
+        self.recorded_ops += 1
+        return self._record(self.scope_for(t), func, args, kwargs)
 
     def _record(self, scope: Scope, func: Any, args: tuple[Any, ...],
                 kwargs: dict[str, Any]) -> Any:
@@ -313,7 +339,7 @@ class StepState:
     # the autograd side
 
     def pack(self, t: torch.Tensor) -> Any:
-        tmpl = self.template_of(self.saving_op())
+        tmpl = self.current
         top = self.top
         if tmpl is None or top is None or _root(tmpl) is not top.template:
             return t  # a kept stage, or the input of a scope that has not started yet
@@ -477,10 +503,10 @@ class PlanMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
 @contextlib.contextmanager
 def planned(state: StepState) -> Iterator[None]:
-    """Run a forward under the plan: op numbering, tapes and saved-tensor handles."""
-    with torch.autograd.graph.saved_tensors_hooks(state.pack, unpack), PlanMode(state):
+    """Run a forward under the plan: stage tracking, tapes and saved-tensor handles."""
+    with torch.autograd.graph.saved_tensors_hooks(state.pack, unpack):
+        state.start()
         try:
             yield
         finally:
-            state.close_top()
-            state.scopes.clear()  # from now on only autograd's handles keep scopes alive
+            state.stop()

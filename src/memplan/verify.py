@@ -141,7 +141,7 @@ def _one_step(model: nn.Module, inputs: tuple[Any, ...], loss_fn: Any, seed: int
     torch.manual_seed(seed)
     loss_fn(model(*inputs)).backward()
     rng = [torch.get_rng_state()]
-    if torch.cuda.is_initialized():
+    if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         rng.append(torch.cuda.get_rng_state())
     return {"grads": [p.grad for p in model.parameters()],
             "buffers": [b.clone() for b in model.buffers()], "rng": rng}

@@ -40,7 +40,10 @@ class Workload:
     def build_inputs(self) -> tuple[torch.Tensor, ...]:
         """Example inputs, deterministic for a given seed."""
         gen = torch.Generator().manual_seed(int(self.params.get("seed", 0)) + 1)
-        return self._build_inputs(gen)
+        device = torch.empty(0).device  # the default device (``with torch.device(...)``)
+        with torch.device("cpu"):  # drawn on the CPU: the same values on every device
+            inputs = self._build_inputs(gen)
+        return tuple(t.to(device) for t in inputs)
 
     def loss(self, output: Any) -> torch.Tensor:
         """The scalar training loss from the model's output."""
