@@ -91,6 +91,14 @@ def apply(model: nn.Module, plan: Plan | str | dict[str, Any] | None = None, *,
     def planned_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if not (self.training and torch.is_grad_enabled()):
             return original(*args, **kwargs)  # nothing is saved: nothing to plan
+        return run_planned(*args, **kwargs)
+
+    # torch.compile keeps the plan: Dynamo skips the planned forward (module hooks, dispatch
+    # modes and saved-tensor hooks that re-partition as they go are not traceable) and runs
+    # it eagerly; what surrounds it (loss, optimizer) is compiled as usual. Inference is
+    # compiled normally.
+    @torch.compiler.disable  # type: ignore[misc]
+    def run_planned(*args: Any, **kwargs: Any) -> Any:
         state = R.StepState(lay, protected)
         applied.state = state
         try:
