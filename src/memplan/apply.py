@@ -9,6 +9,7 @@ op sequence must match the one the plan was made for.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import types
@@ -39,6 +40,7 @@ class Applied:
     state: R.StepState | None = None
     last: R.StepState | None = None  # the latest planned forward (tests read its counters)
     warned: bool = False
+    wrappers_checked: bool = False  # FSDP units inside the model: checked at the first step
 
 
 def apply(model: nn.Module, plan: Plan | str | dict[str, Any] | None = None, *,
@@ -54,6 +56,11 @@ def apply(model: nn.Module, plan: Plan | str | dict[str, Any] | None = None, *,
     if not isinstance(model, nn.Module):
         raise bad_arg("model", "a torch.nn.Module", type(model).__name__,
                       "Pass the model you train.")
+    if type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod"):
+        raise MemplanError(
+            "apply: this model is a torch.compile wrapper; apply the plan to the model itself "
+            "and compile afterwards: model = torch.compile(memplan.apply(model, plan))."
+        )
     if getattr(model, _ATTR, None) is not None:
         raise MemplanError(
             "apply: this model already runs under a memplan plan; call memplan.unapply(model) "
@@ -97,8 +104,14 @@ def apply(model: nn.Module, plan: Plan | str | dict[str, Any] | None = None, *,
     # modes and saved-tensor hooks that re-partition as they go are not traceable) and runs
     # it eagerly; what surrounds it (loss, optimizer) is compiled as usual. Inference is
     # compiled normally.
-    @torch.compiler.disable  # type: ignore[misc]
+    @torch.compiler.disable  # type: ignore[untyped-decorator]
     def run_planned(*args: Any, **kwargs: Any) -> Any:
+        if not applied.wrappers_checked:  # fully_shard may come after apply: check here
+            if lay.templates:
+                from memplan.distributed import check_wrappers
+
+                check_wrappers(model)
+            applied.wrappers_checked = True
         state = R.StepState(lay, protected)
         applied.state = state
         try:
@@ -120,6 +133,8 @@ def apply(model: nn.Module, plan: Plan | str | dict[str, Any] | None = None, *,
     for path in lay.boundary_modules:
         mod = model.get_submodule(path)
         applied.hooks.append(mod.register_forward_hook(_boundary_hook(applied, path)))
+    if hasattr(original, "__func__"):  # keep the signature: HF Trainer & co. inspect it
+        functools.update_wrapper(planned_forward, original.__func__)
     model.forward = types.MethodType(planned_forward, model)
     setattr(model, _ATTR, applied)
     return model

@@ -304,7 +304,7 @@ class StepState:
         tape = scope.tape
         e = len(tape.entries)
         written = _written_args(func, args, kwargs)
-        flat, spec = tree_flatten((args, kwargs))
+        flat, spec = _flatten(args, kwargs)
         leaves: list[Any] = []
         refs: list[Pos] = []
         for leaf in flat:
@@ -324,7 +324,9 @@ class StepState:
             else:
                 leaves.append(_Ext(leaf, writes))
         out = func(*args, **kwargs)
-        expensive = C.is_expensive(str(func))
+        expensive = _EXPENSIVE.get(func)
+        if expensive is None:
+            expensive = _EXPENSIVE[func] = C.is_expensive(str(func))
         for k, o in enumerate(_tensors(out)):
             tape.register(o, (e, k))
             if expensive and scope.template.kind == "drop-cheap":
@@ -446,8 +448,7 @@ def _rebuild(entry: _Entry, env: dict[Pos, torch.Tensor]) -> tuple[Any, dict[str
             vals.append(leaf.tensor.clone() if leaf.writable else leaf.tensor)
         else:
             vals.append(leaf)
-    args, kwargs = tree_unflatten(vals, entry.spec)
-    return tuple(args), dict(kwargs)
+    return _unflatten(vals, entry.spec)
 
 
 @contextlib.contextmanager
@@ -461,11 +462,65 @@ def _no_autocast() -> Iterator[None]:
 
 
 def _tensors(out: Any) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)) and all(isinstance(o, torch.Tensor) or o is None
+                                              for o in out):
+        return [o for o in out if o is not None]
     flat, _ = tree_flatten(out)
     return [t for t in flat if isinstance(t, torch.Tensor)]
 
 
+# Aten op arguments nest at most one level (Tensor[], Tensor?[], int[]): flatten them by hand,
+# pytree's general walk was most of the runtime's own cost.
+_FLAT = "flat"
+
+
+def _flatten(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], Any]:
+    leaves: list[Any] = []
+    shape: list[Any] = []
+    for a in args:
+        if isinstance(a, (list, tuple)):
+            if any(isinstance(b, (list, tuple, dict)) for b in a):
+                return _pytree_flatten(args, kwargs)
+            shape.append((type(a), len(a)))
+            leaves.extend(a)
+        elif isinstance(a, dict):
+            return _pytree_flatten(args, kwargs)
+        else:
+            shape.append(None)
+            leaves.append(a)
+    if kwargs:
+        if any(isinstance(v, (list, tuple, dict)) for v in kwargs.values()):
+            return _pytree_flatten(args, kwargs)
+        leaves.extend(kwargs.values())
+    return leaves, (_FLAT, tuple(shape), tuple(kwargs))
+
+
+def _pytree_flatten(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], Any]:
+    return tree_flatten((args, kwargs))
+
+
+def _unflatten(vals: list[Any], spec: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    if isinstance(spec, tuple) and spec and spec[0] == _FLAT:
+        _, shape, keys = spec
+        args: list[Any] = []
+        i = 0
+        for item in shape:
+            if item is None:
+                args.append(vals[i])
+                i += 1
+            else:
+                kind, n = item
+                args.append(kind(vals[i : i + n]))
+                i += n
+        return tuple(args), dict(zip(keys, vals[i:]))
+    a, k = tree_unflatten(vals, spec)
+    return tuple(a), dict(k)
+
+
 _WRITES: dict[Any, tuple[tuple[int, str], ...]] = {}
+_EXPENSIVE: dict[Any, bool] = {}
 
 
 def _written_args(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> set[int]:
