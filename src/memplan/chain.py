@@ -16,8 +16,12 @@ with exactly the model the optimal planner optimises (``planners.optimal``).
 
 from __future__ import annotations
 
+import itertools
+import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Union
+from operator import attrgetter
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -60,147 +64,267 @@ class Chain:
     base_bytes: int  # parameters, buffers, inputs: live all step
     step_flops: int
     cheap_ops: tuple[tuple[int, ...], ...] = field(default=())  # drop-cheap's recomputed ops
+    # The runtime replays a recomputed scope op by op and frees each value after its last
+    # use, where the user's Python keeps locals to the end of a call: transients of a replay
+    # are smaller. None: as the plain ones (tf, tf0).
+    tfr: I64 | None = None  # a kept stage replayed in a region's backward (saves kept)
+    tfr0: I64 | None = None  # a nested region's ops replayed inside its parent's replay
+    tfs: I64 | None = None  # a drop-cheap stage's forward (cheap outputs not kept)
 
     @property
     def n(self) -> int:
         return int(self.f.shape[0])
+
+    @property
+    def tf_replay(self) -> I64:
+        return self.tf if self.tfr is None else self.tfr
+
+    @property
+    def tf0_replay(self) -> I64:
+        return self.tf0 if self.tfr0 is None else self.tfr0
+
+    @property
+    def tf_sac(self) -> I64:
+        return self.tf if self.tfs is None else self.tfs
+
+    @property
+    def need_sac_b(self) -> I64:
+        """Bytes above the stage's start at a drop-cheap stage's backward, bounded from above:
+        its kept and recomputed values (xsac_b) at its plain backward's peak transient (the
+        replay happens when backward first reads a recomputed value, usually earlier)."""
+        return self.xsac_b + self.gb + self.tb
 
 
 def clean_cuts(graph: g.Graph) -> list[int]:
     """Indices of the cut points usable as chain boundaries: each cut's live values must all
     be made after the previous chosen cut (a long skip makes a cut unusable: Sec. 4.3's chain
     assumption; the ILP planner handles such graphs). The end of the forward is always one."""
+    ga = graph_arrays(graph)
     chosen: list[int] = []
     prev_after = -1
-    last = len(graph.cut_points) - 1
-    for i, cut in enumerate(graph.cut_points):
-        if i == last or all(graph.values[v].producer > prev_after for v in cut.live):
+    last = len(ga.cut_after) - 1
+    for i, (after, first_made) in enumerate(zip(ga.cut_after.tolist(), ga.cut_min_producer.tolist())):
+        if i == last or first_made > prev_after:
             chosen.append(i)
-            prev_after = cut.after
+            prev_after = after
     return chosen
+
+
+@dataclass(frozen=True)
+class GraphArrays:
+    """A Graph's fields as numpy arrays (one pass over its Python objects), its live-bytes
+    timeline and fingerprint: what ``build_chain`` reads, computed once per Graph object."""
+
+    fingerprint: str
+    n_ops: int
+    nbytes: I64  # per value
+    birth: I64
+    death: I64  # NO_DEATH when alive after the step
+    producer: I64
+    activation: npt.NDArray[np.bool_]
+    last_fwd_use: I64  # last forward op reading or writing the value, -1 if none
+    fwd_flops: I64  # per forward op
+    bwd_flops: I64
+    expensive: npt.NDArray[np.bool_]
+    has_outputs: npt.NDArray[np.bool_]
+    out_op: I64  # (op, value) pairs of the forward ops' outputs
+    out_vid: I64
+    grad_of: I64  # per backward op
+    timeline: I64  # live bytes per event (Graph.live_bytes_timeline)
+    died: I64  # bytes freed at each event (length n_events + 1)
+    born0: int  # bytes born at event 0
+    base_bytes: int
+    step_flops: int
+    cut_after: I64
+    cut_bytes: I64
+    cut_min_producer: I64  # earliest producer among a cut's live values (n_ops if none)
+
+
+NO_DEATH = np.iinfo(np.int64).max
+_ARRAYS: dict[int, tuple[weakref.ref[g.Graph], GraphArrays]] = {}
+
+
+def graph_arrays(graph: g.Graph) -> GraphArrays:
+    """The arrays of ``graph``, cached while the Graph object lives (Graphs are immutable)."""
+    hit = _ARRAYS.get(id(graph))
+    if hit is not None and hit[0]() is graph:
+        return hit[1]
+    ga = _extract(graph)
+    key = id(graph)
+    _ARRAYS[key] = (weakref.ref(graph, lambda _r: _ARRAYS.pop(key, None)), ga)
+    return ga
+
+
+def _ints(objs: Sequence[Any], attr: str) -> I64:
+    return np.fromiter(map(attrgetter(attr), objs), np.int64, len(objs))
+
+
+def _flat(objs: Sequence[Any], attr: str) -> tuple[I64, I64]:
+    """(owner index, item) pairs of the tuples ``obj.attr`` of every object."""
+    lists = list(map(attrgetter(attr), objs))
+    lens = np.fromiter(map(len, lists), np.int64, len(lists))
+    items = np.fromiter(itertools.chain.from_iterable(lists), np.int64, int(lens.sum()))
+    return np.repeat(np.arange(len(lists), dtype=np.int64), lens), items
+
+
+def _extract(graph: g.Graph) -> GraphArrays:
+    values, ops, bops, cuts = graph.values, graph.ops, graph.backward_ops, graph.cut_points
+    n_ops, n_events = len(ops), len(ops) + len(bops)
+    nbytes, birth, producer = _ints(values, "nbytes"), _ints(values, "birth"), _ints(values, "producer")
+    death = np.fromiter((NO_DEATH if d is None else d for d in map(attrgetter("death"), values)),
+                        np.int64, len(values))
+    activation = np.fromiter((k == g.ACTIVATION for k in map(attrgetter("kind"), values)),
+                             np.bool_, len(values))
+    last_fwd_use = np.full(len(values), -1, dtype=np.int64)
+    for attr in ("inputs", "mutated"):
+        op_i, vid = _flat(ops, attr)
+        np.maximum.at(last_fwd_use, vid, op_i)
+    by_target: dict[str, bool] = {}
+    for t in dict.fromkeys(map(attrgetter("target"), ops)):
+        by_target[t] = is_expensive(t)
+    expensive = np.fromiter(map(by_target.__getitem__, map(attrgetter("target"), ops)),
+                            np.bool_, n_ops)
+    out_op, out_vid = _flat(ops, "outputs")
+    has_outputs = np.bincount(out_op, minlength=n_ops) > 0
+    # Graph.live_bytes_timeline, vectorised: bytes live at each event after its outputs exist.
+    pre = birth < 0
+    born = np.zeros(n_events + 1, dtype=np.int64)
+    np.add.at(born, birth[~pre], nbytes[~pre])
+    died = np.zeros(n_events + 1, dtype=np.int64)
+    dead = death != NO_DEATH
+    np.add.at(died, death[dead], nbytes[dead])
+    cum_died = np.concatenate(([0], np.cumsum(died[: n_events - 1]))) if n_events else died[:0]
+    timeline = int(nbytes[pre].sum()) + np.cumsum(born[:n_events]) - cum_died
+    fwd_flops, bwd_flops = _ints(ops, "fwd_flops"), _ints(ops, "bwd_flops")
+    cut_i, live = _flat(cuts, "live")
+    min_prod = np.full(len(cuts), n_ops, dtype=np.int64)
+    np.minimum.at(min_prod, cut_i, producer[live])
+    return GraphArrays(
+        fingerprint=graph.fingerprint, n_ops=n_ops, nbytes=nbytes, birth=birth, death=death,
+        producer=producer, activation=activation, last_fwd_use=last_fwd_use,
+        fwd_flops=fwd_flops, bwd_flops=bwd_flops, expensive=expensive, has_outputs=has_outputs,
+        out_op=out_op, out_vid=out_vid, grad_of=_ints(bops, "grad_of"), timeline=timeline,
+        died=died, born0=int(born[0]), base_bytes=int(nbytes[pre].sum()),
+        step_flops=int(fwd_flops.sum()) + int(_ints(bops, "fwd_flops").sum()),
+        cut_after=_ints(cuts, "after"), cut_bytes=_ints(cuts, "live_bytes"),
+        cut_min_producer=min_prod,
+    )
 
 
 def build_chain(graph: g.Graph, cuts: list[int] | None = None) -> Chain:
     """The chain over the given cut-point indices (default: all clean cuts)."""
-    cut_idx = clean_cuts(graph) if cuts is None else list(cuts)
-    n_ops = len(graph.ops)
-    afters = [graph.cut_points[i].after for i in cut_idx]
+    ga = graph_arrays(graph)
+    cut_idx = np.array(clean_cuts(graph) if cuts is None else list(cuts), dtype=np.int64)
+    n_ops, nbytes, nv = ga.n_ops, ga.nbytes, len(ga.nbytes)
+    n_events = len(ga.timeline)
+    afters = ga.cut_after[cut_idx]
     k = len(afters)
-    stage_of_op = np.zeros(n_ops, dtype=np.int64)
-    firsts = [0] + [a + 1 for a in afters[:-1]]
-    for s, (lo, hi) in enumerate(zip(firsts, afters)):
-        stage_of_op[lo : hi + 1] = s
-    timeline = graph.live_bytes_timeline()
-    n_events = len(timeline)
-    died = [0] * (n_events + 1)
-    base = 0
-    kept = np.zeros(k, dtype=np.int64)  # retained (R) bytes made in the stage
-    last_fwd_use: dict[int, int] = {}
-    for op in graph.ops:
-        for vid in op.inputs + op.mutated:
-            last_fwd_use[vid] = op.index
-    tf0_acc: list[list[tuple[int, int, int]]] = [[] for _ in range(k)]  # (birth, end, bytes)
-    for v in graph.values:
-        if v.death is not None:
-            died[v.death] += v.nbytes
-        if v.birth < 0:
-            base += v.nbytes
-        if v.kind == g.ACTIVATION and v.producer >= 0:
-            s = int(stage_of_op[v.producer])
-            retained = v.death is None or v.death >= n_ops
-            if retained:
-                kept[s] += v.nbytes
-            end = v.death if not retained and v.death is not None else last_fwd_use.get(v.id, v.birth)
-            tf0_acc[s].append((v.birth, max(end, v.birth), v.nbytes))
-    x = np.array([graph.cut_points[i].live_bytes for i in cut_idx], dtype=np.int64)
-    x_kept = np.zeros(k, dtype=np.int64)
-    xsac = np.zeros(k, dtype=np.int64)
-    xsac_b = np.zeros(k, dtype=np.int64)
-    fcheap = np.zeros(k, dtype=np.int64)
-    f = np.zeros(k, dtype=np.int64)
-    bfl = np.zeros(k, dtype=np.int64)
-    cheap: list[list[int]] = [[] for _ in range(k)]
-    expensive_out: list[set[int]] = [set() for _ in range(k)]
-    for op in graph.ops:
-        s = int(stage_of_op[op.index])
-        f[s] += op.fwd_flops
-        bfl[s] += op.bwd_flops
-        if is_expensive(op.target):
-            expensive_out[s].update(op.outputs)
-        elif op.outputs:
-            fcheap[s] += op.fwd_flops
-            cheap[s].append(op.index)
-    for s, ci in enumerate(cut_idx):
-        live = set(graph.cut_points[ci].live)
-        for vid in sorted(live):
-            v = graph.values[vid]
-            if v.death is None or v.death >= n_ops:
-                x_kept[s] += v.nbytes
-        not_kept_exp, exp_kept = 0, 0
-        for vid in sorted(expensive_out[s] - live):
-            v = graph.values[vid]
-            if v.death is None or v.death >= n_ops:
-                exp_kept += v.nbytes
-            else:
-                not_kept_exp += v.nbytes
-        xsac[s] = x[s] + exp_kept + not_kept_exp
-        xsac_b[s] = kept[s] + (x[s] - x_kept[s]) + not_kept_exp
+    firsts = np.concatenate(([0], afters[:-1] + 1))
+    stage_of_op = np.zeros(n_ops, dtype=np.int64)  # ops after the last cut: stage 0
+    span = int(afters[-1]) + 1
+    stage_of_op[:span] = np.repeat(np.arange(k), afters - firsts + 1)
+    retained = ga.death >= n_ops  # kept for backward (or alive after the step)
+    made = ga.activation & (ga.producer >= 0)
+    v_stage = stage_of_op[np.where(made, ga.producer, 0)]
+    kept = _exact_sum(v_stage, nbytes, made & retained, k)
+    # Cut live sets: x_kept, and which expensive outputs each stage's cut carries.
+    cut_of, live = _flat([graph.cut_points[int(i)] for i in cut_idx], "live")
+    pairs = np.unique(cut_of * nv + live)
+    cut_of, live = pairs // nv, pairs % nv
+    x = ga.cut_bytes[cut_idx]
+    x_kept = _exact_sum(cut_of, nbytes[live], retained[live], k)
+    exp = ga.expensive[ga.out_op]
+    ex_pairs = np.unique(stage_of_op[ga.out_op[exp]] * nv + ga.out_vid[exp])
+    ex_pairs = ex_pairs[~np.isin(ex_pairs, pairs)]
+    ex_stage, ex_vid = ex_pairs // nv, ex_pairs % nv
+    exp_kept = _exact_sum(ex_stage, nbytes[ex_vid], retained[ex_vid], k)
+    not_kept_exp = _exact_sum(ex_stage, nbytes[ex_vid], ~retained[ex_vid], k)
+    xsac = x + exp_kept + not_kept_exp
+    xsac_b = kept + (x - x_kept) + not_kept_exp
     xbar = kept + (x - x_kept)
     d = x - x_kept
-    # Forward transients (plain: from the trace; nothing saved: from birth/last-use spans).
-    tf = np.zeros(k, dtype=np.int64)
-    tf0 = np.zeros(k, dtype=np.int64)
-    for s in range(k):
-        lo, hi = firsts[s], afters[s]
-        start = timeline[lo - 1] - died[lo - 1] if lo > 0 else timeline[0] - _born_at(graph, 0)
-        tf[s] = max(timeline[lo : hi + 1]) - start
-        tf0[s] = _span_peak(tf0_acc[s], lo, hi)
+    ops_all = np.ones(n_ops, dtype=np.bool_)
+    f = _exact_sum(stage_of_op, ga.fwd_flops, ops_all, k)
+    bfl = _exact_sum(stage_of_op, ga.bwd_flops, ops_all, k)
+    cheap_mask = ~ga.expensive & ga.has_outputs
+    fcheap = _exact_sum(stage_of_op, ga.fwd_flops, cheap_mask, k)
+    cheap_idx = np.nonzero(cheap_mask)[0]
+    cheap_stage = stage_of_op[cheap_idx]
+    order = np.argsort(cheap_stage, kind="stable")
+    bounds = np.cumsum(np.bincount(cheap_stage, minlength=k))[:-1]
+    cheap = tuple(tuple(p.tolist()) for p in np.split(cheap_idx[order], bounds))
+    # Forward transients: plain, from the trace; with nothing saved, from the spans
+    # birth .. death (or last forward use when kept) of the values each stage makes.
+    tl, died = ga.timeline, ga.died
+    lo = firsts
+    start = np.where(lo > 0, tl[np.maximum(lo - 1, 0)] - died[np.maximum(lo - 1, 0)],
+                     tl[0] - ga.born0)
+    tf = np.maximum.reduceat(tl[:span], firsts) - start
+    end = np.where(retained, np.where(ga.last_fwd_use >= 0, ga.last_fwd_use, ga.birth), ga.death)
+    end = np.maximum(end, ga.birth)
+    b0 = np.maximum(ga.birth, firsts[v_stage])[made]
+    e0 = np.minimum(end, afters[v_stage])[made] + 1
+    delta = np.zeros(n_ops + 2, dtype=np.int64)
+    np.add.at(delta, b0, nbytes[made])
+    np.subtract.at(delta, e0, nbytes[made])
+    tf0 = np.maximum.reduceat(np.cumsum(delta)[:span], firsts)
+    # Replays (runtime.materialise): each value lives to its last use in the replayed range;
+    # a kept stage's saved values stay. A drop-cheap stage's first forward keeps its
+    # expensive ops' outputs; the rest die as in the plain run (saved ones at last use).
+    last_use = np.maximum(np.where(ga.last_fwd_use >= 0, ga.last_fwd_use, ga.birth), ga.birth)
+    exp_value = np.zeros(nv, dtype=np.bool_)
+    exp_value[ga.out_vid[exp]] = True
+    stage_end = afters[v_stage]
+    tfr, tfr0, tfs = (
+        _stage_peaks(ga.birth, end_, made, nbytes, firsts, afters, v_stage, span, n_ops)
+        for end_ in (np.where(retained, stage_end, last_use), last_use,
+                     np.where(exp_value, stage_end, end)))
     # Backward: group backward ops by the stage whose gradient they compute.
-    n_b = len(graph.backward_ops)
-    bstage = np.zeros(n_b, dtype=np.int64)
-    cur = k - 1
-    for j, op in enumerate(graph.backward_ops):
-        if op.grad_of >= 0:
-            cur = min(cur, int(stage_of_op[op.grad_of]))
-        bstage[j] = cur
+    go = ga.grad_of
+    bstage = np.minimum.accumulate(np.where(go >= 0, stage_of_op[np.maximum(go, 0)], k - 1))
+    neg = -bstage
+    s_all = -np.arange(k)
+    b_start = np.searchsorted(neg, s_all, side="left")
+    b_end = np.searchsorted(neg, s_all, side="right")
+    has = b_end > b_start
+    e0b = np.where(has, n_ops + b_start, np.minimum(n_ops + b_end, n_events))
+    lb_pre = tl[e0b - 1] - died[e0b - 1]
     tb = np.zeros(k, dtype=np.int64)
-    lb_pre = np.zeros(k, dtype=np.int64)
-    for s in range(k):
-        idx = np.nonzero(bstage == s)[0]
-        if idx.size == 0:  # no backward ops of its own: starts where the next one does
-            e0 = n_ops + int(np.searchsorted(-bstage, -s, side="right"))
-            e0 = min(e0, n_events)
-            lb_pre[s], tb[s] = timeline[e0 - 1] - died[e0 - 1], 0
-            continue
-        e0, e1 = n_ops + int(idx[0]), n_ops + int(idx[-1])
-        pre = timeline[e0 - 1] - died[e0 - 1]
-        lb_pre[s] = pre
-        tb[s] = max(timeline[e0 : e1 + 1]) - pre
+    if has.any():
+        starts = np.sort(b_start[has])
+        seg_max = np.maximum.reduceat(tl[n_ops:], starts)
+        order_s = np.argsort(b_start[has])
+        tb_has = np.empty(int(has.sum()), dtype=np.int64)
+        tb_has[order_s] = seg_max
+        tb[has] = tb_has - lb_pre[has]
     resident = np.cumsum(xbar - np.concatenate(([0], d[:-1])))
-    gb = lb_pre - base - resident
+    gb = lb_pre - ga.base_bytes - resident
     return Chain(
-        fingerprint=graph.fingerprint, first=np.array(firsts, dtype=np.int64),
-        last=np.array(afters, dtype=np.int64),
-        modules=tuple(graph.cut_points[i].module for i in cut_idx), f=f, b=bfl, x=x, xbar=xbar,
-        d=d, xsac=xsac, xsac_b=xsac_b, fcheap=fcheap, tf=tf, tf0=tf0, tb=tb, gb=gb,
-        base_bytes=base, step_flops=graph.step_flops,
-        cheap_ops=tuple(tuple(c) for c in cheap),
+        fingerprint=ga.fingerprint, first=firsts, last=afters.copy(),
+        modules=tuple(graph.cut_points[int(i)].module for i in cut_idx), f=f, b=bfl, x=x,
+        xbar=xbar, d=d, xsac=xsac, xsac_b=xsac_b, fcheap=fcheap, tf=tf, tf0=tf0, tb=tb, gb=gb,
+        base_bytes=ga.base_bytes, step_flops=ga.step_flops, cheap_ops=cheap, tfr=tfr,
+        tfr0=tfr0, tfs=tfs,
     )
 
 
-def _born_at(graph: g.Graph, event: int) -> int:
-    return sum(v.nbytes for v in graph.values if v.birth == event)
+def _stage_peaks(birth: I64, end: I64, made: npt.NDArray[np.bool_], nbytes: I64, firsts: I64,
+                 afters: I64, v_stage: I64, span: int, n_ops: int) -> I64:
+    """Per stage: the peak over its ops of the bytes of values it made that are alive
+    (birth <= op <= end, clipped to the stage)."""
+    b0 = np.maximum(birth, firsts[v_stage])[made]
+    e0 = np.minimum(np.maximum(end, birth), afters[v_stage])[made] + 1
+    delta = np.zeros(n_ops + 2, dtype=np.int64)
+    np.add.at(delta, b0, nbytes[made])
+    np.subtract.at(delta, e0, nbytes[made])
+    return np.maximum.reduceat(np.cumsum(delta)[:span], firsts)
 
 
-def _span_peak(spans: list[tuple[int, int, int]], lo: int, hi: int) -> int:
-    """Peak over events lo..hi of the bytes of spans alive (birth <= e <= end)."""
-    if not spans:
-        return 0
-    delta = np.zeros(hi - lo + 2, dtype=np.int64)
-    for birth, end, nbytes in spans:
-        delta[max(birth, lo) - lo] += nbytes
-        delta[min(end, hi) - lo + 1] -= nbytes
-    return int(np.cumsum(delta)[:-1].max())
+def _exact_sum(group: I64, vals: I64, mask: npt.NDArray[np.bool_], k: int) -> I64:
+    """Per-group int64 sums of ``vals`` where ``mask`` (np.add.at: exact, unlike bincount)."""
+    out = np.zeros(k, dtype=np.int64)
+    np.add.at(out, group[mask], vals[mask])
+    return out
 
 
 # --- schedules -------------------------------------------------------------------------------
@@ -223,7 +347,7 @@ class Region:
     body: tuple[Item, ...]
 
 
-Item = Union[Keep, DropCheap, Region]
+Item = Keep | DropCheap | Region
 
 
 def item_start(it: Item) -> int:
@@ -238,32 +362,34 @@ def simulate(chain: Chain, schedule: tuple[Item, ...]) -> tuple[int, int]:
     """(peak bytes, forward FLOPs executed incl. recomputation) of a schedule: the model the
     optimal planner optimises, evaluated in exact bytes."""
     validate(chain, schedule)
-    peak, flops = _run(chain, schedule, 0, chain.base_bytes, False, 0)
+    peak, flops = _run(chain, schedule, 0, chain.base_bytes, False, 0, False)
     return peak, flops
 
 
 def _run(c: Chain, items: tuple[Item, ...], pos: int, used: int, droppable: bool,
-         gfwd: int) -> tuple[int, int]:
-    """Forward through the items in order, then each item's backward (nesting recurses)."""
+         gfwd: int, replay: bool) -> tuple[int, int]:
+    """Forward through the items in order, then each item's backward (nesting recurses);
+    ``replay``: inside a region's body, which the runtime replays in backward."""
     peak, flops = -(1 << 62), 0
+    tf = c.tf_replay if replay else c.tf
+    tf0 = c.tf0_replay if replay else c.tf0
     for it in items[pos:]:
         if isinstance(it, Keep):
             s = it.stage
             freed = int(c.d[s - 1]) if droppable and s > 0 else 0
             now = used + int(c.xbar[s]) - freed
-            peak = max(peak, used + gfwd + int(c.tf[s]), now + int(c.gb[s] + c.tb[s]))
+            peak = max(peak, used + gfwd + int(tf[s]), now + int(c.gb[s] + c.tb[s]))
             flops += int(c.f[s])
         elif isinstance(it, DropCheap):
             s = it.stage
             now = used + int(c.xsac[s])
-            peak = max(peak, used + gfwd + int(c.tf[s]),
-                       used + int(c.xsac_b[s] + c.gb[s] + c.tb[s]))
+            peak = max(peak, used + gfwd + int(c.tf_sac[s]), used + int(c.need_sac_b[s]))
             flops += int(c.f[s] + c.fcheap[s])
         else:
             s, e = it.start, it.end
-            fwd = max(int(c.tf0[k]) + (int(c.x[k - 1]) if k > s else 0) for k in range(s, e + 1))
+            fwd = max(int(tf0[k]) + (int(c.x[k - 1]) if k > s else 0) for k in range(s, e + 1))
             now = used + int(c.x[e])
-            p_body, f_body = _run(c, it.body, 0, used, False, int(c.gb[e]))
+            p_body, f_body = _run(c, it.body, 0, used, False, int(c.gb[e]), True)
             peak = max(peak, used + gfwd + fwd, p_body)
             flops += int(c.f[s : e + 1].sum()) + f_body
         used, droppable = now, True

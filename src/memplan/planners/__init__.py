@@ -7,6 +7,7 @@ from collections.abc import Callable
 from memplan.plan import Plan
 from memplan.planners.chen import plan_chen, plan_chen_greedy
 from memplan.planners.drop_cheap import plan_drop_cheap
+from memplan.planners.ilp import plan_ilp
 from memplan.planners.optimal import plan_optimal
 from memplan.planners.pareto import pareto
 from memplan.planners.recursive import plan_recursive
@@ -19,7 +20,8 @@ PLANNERS: dict[str, Callable[..., Plan]] = {
     "drop-cheap": plan_drop_cheap,
     "recursive": plan_recursive,
     "optimal": plan_optimal,
+    "ilp": plan_ilp,
 }
 
-__all__ = ["PLANNERS", "pareto", "plan_chen", "plan_chen_greedy", "plan_drop_cheap",
+__all__ = ["PLANNERS", "pareto", "plan_chen", "plan_chen_greedy", "plan_drop_cheap", "plan_ilp",
            "plan_optimal", "plan_recursive", "plan_sqrt"]
