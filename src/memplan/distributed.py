@@ -1,0 +1,382 @@
+"""memplan under ``torch.distributed``: DDP and FSDP2 (``fully_shard``), one plan per rank.
+
+* DDP leaves the model's modules alone, so ``memplan.apply(model, plan)`` before
+  ``DistributedDataParallel(model)`` just works. DDP adds its gradient buckets (as many bytes
+  as the trainable parameters, allocated when the model is wrapped): ``plan_ddp`` plans for
+  ``budget - bucket_bytes(model)``.
+* FSDP2 gathers a unit's parameters in the unit's forward pre-hook and frees them (storage
+  resized to 0) after its forward, then gathers them again just before the unit's backward.
+  A recompute scope that holds another unit's call would record those collectives on its tape
+  and replay ops on freed parameters. So memplan is applied *per FSDP unit*: every unit gets
+  its own plan, applied before ``fully_shard(unit)``; FSDP's hooks then run outside the
+  planned forward, and a unit's replay runs in that unit's backward, when its parameters are
+  gathered (exact, tested). ``plan_units`` / ``apply_units`` do this. ``check_wrappers``
+  refuses a plan applied around nested FSDP units (``memplan.apply`` calls it).
+
+Per-rank memory (``RankBudget``): the single-process picture (memplan's simulated step of the
+model with the unit plans applied, on fake tensors) with parameters and gradients counted as
+sharded, ``(P + G) / world_size`` instead of ``P + G``, plus FSDP's transient buffers: the
+root unit's unsharded parameters (FSDP keeps them from the root's forward to its backward)
+and ``5 x`` the largest unit's parameter bytes (the unit being run, the next one prefetched,
+the all-gather buffer, its unsharded gradients and the reduce-scatter input). That is an
+upper bound; ``RankTracker`` measures the real per-rank peak.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from memplan.budget import BudgetTooSmall, parse_budget
+from memplan.errors import MemplanError, bad_arg
+from memplan.plan import Plan
+
+FSDP_UNIT_COPIES = 5  # unit run + prefetched + all-gather buffer + unsharded grads + RS input
+
+
+# --- what wraps a model ------------------------------------------------------------------------
+
+
+def _fsdp_classes() -> tuple[type, ...]:
+    classes: list[type] = []
+    try:
+        from torch.distributed.fsdp import FSDPModule  # FSDP2 (torch >= 2.6)
+
+        classes.append(FSDPModule)
+    except ImportError:
+        pass
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel  # FSDP1
+
+        classes.append(FullyShardedDataParallel)
+    except ImportError:
+        pass
+    return tuple(classes)
+
+
+def sharded_units(model: nn.Module) -> list[str]:
+    """Paths of the FSDP units (``fully_shard`` or FSDP1 wrappers) strictly inside ``model``."""
+    if not torch.distributed.is_available():
+        return []
+    classes = _fsdp_classes()
+    return [name for name, mod in model.named_modules() if name and isinstance(mod, classes)]
+
+
+def check_wrappers(model: nn.Module) -> None:
+    """Raise when ``model`` runs under a plan and contains FSDP units: their all-gathers would
+    be recorded and their freed parameters replayed in backward (wrong gradients)."""
+    inner = sharded_units(model)
+    if inner:
+        shown = ", ".join(inner[:3]) + (" ..." if len(inner) > 3 else "")
+        raise MemplanError(
+            f"memplan: this model runs under a plan and contains {len(inner)} FSDP unit(s) "
+            f"({shown}); a recompute scope around an FSDP unit would replay its all-gathered "
+            "parameters after FSDP freed them. Apply memplan per FSDP unit instead, before "
+            "fully_shard: plans = memplan.distributed.plan_units(model, units, *inputs, "
+            "loss_fn=..., budget=..., world_size=...); memplan.distributed.apply_units(model, "
+            "plans); then fully_shard each unit and the root (docs/recipes.md)."
+        )
+
+
+# --- budgets -----------------------------------------------------------------------------------
+
+
+def trainable_bytes(modules: Sequence[nn.Module]) -> int:
+    """Bytes of the distinct trainable parameters of ``modules``."""
+    seen: dict[int, int] = {}
+    for mod in modules:
+        for p in mod.parameters():
+            if p.requires_grad:
+                seen[id(p)] = p.numel() * p.element_size()
+    return sum(seen.values())
+
+
+def bucket_bytes(model: nn.Module) -> int:
+    """DDP's gradient buckets: one slot per trainable parameter, alive from wrapping on."""
+    return trainable_bytes([model])
+
+
+def plan_ddp(model: nn.Module, *inputs: Any, loss_fn: Any = None, budget: object,
+             planner: str = "optimal", **kwargs: Any) -> Plan:
+    """A plan for one DDP rank (the model before wrapping, the rank's local batch): the rank's
+    ``budget`` (bytes or '6GiB') less DDP's gradient buckets. Deterministic: equal shapes on
+    every rank give the same plan (compare ``fingerprint(plan)`` across ranks)."""
+    from memplan.planning import plan
+
+    total = parse_budget(budget)
+    left = total - bucket_bytes(model)
+    if left <= 0:
+        raise BudgetTooSmall(total, bucket_bytes(model), planner)
+    return plan(model, *inputs, loss_fn=loss_fn, budget=left, planner=planner, **kwargs)
+
+
+def fingerprint(plans: Plan | Sequence[Plan] | UnitPlans) -> str:
+    """A short hash of plans' JSON: equal on all ranks when planning is deterministic."""
+    if isinstance(plans, UnitPlans):
+        items: Sequence[Plan] = [plans.plans[u] for u in plans.units if u in plans.plans]
+        extra = repr(plans.units)
+    else:
+        items = [plans] if isinstance(plans, Plan) else plans
+        extra = ""
+    h = hashlib.sha256(extra.encode())
+    for p in items:
+        h.update(p.to_json().encode())
+    return h.hexdigest()[:16]
+
+
+@dataclass
+class RankBudget:
+    """One rank's predicted peak under FSDP2, from the single-process simulated step."""
+
+    world_size: int
+    single_peak_bytes: int  # simulated single-process step, unit plans applied
+    params_at_peak_bytes: int
+    grads_at_peak_bytes: int
+    root_bytes: int  # the root unit's own parameters (kept unsharded from forward to backward)
+    largest_unit_bytes: int
+
+    @property
+    def sharding_saves_bytes(self) -> int:
+        full = self.params_at_peak_bytes + self.grads_at_peak_bytes
+        return full - full // self.world_size
+
+    @property
+    def transient_bytes(self) -> int:
+        return self.root_bytes + FSDP_UNIT_COPIES * self.largest_unit_bytes
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.single_peak_bytes - self.sharding_saves_bytes + self.transient_bytes
+
+
+@dataclass
+class UnitPlans:
+    """A plan per FSDP unit (``None``: the unit runs plainly) and the rank's predicted peak."""
+
+    units: tuple[str, ...]
+    plans: dict[str, Plan]
+    rank: RankBudget
+    budget_bytes: int | None
+    fraction: float | None  # the units' budget as a fraction of their plain peak
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.rank.peak_bytes
+
+
+def _unit_loss(out: Any) -> torch.Tensor:
+    flat, _ = tree_flatten(out)
+    tensors = [t for t in flat if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    if not tensors:
+        raise MemplanError("plan_units: a unit returned no floating-point tensor to plan for.")
+    total = tensors[0].float().sum()
+    for t in tensors[1:]:
+        total = total + t.float().sum()
+    return total
+
+
+def unit_inputs(model: nn.Module, units: Sequence[str], *inputs: Any
+                ) -> dict[str, tuple[Any, ...]]:
+    """Example inputs of each unit's (first) call in one training forward of ``model``, run on
+    fake tensors (no memory, parameters untouched), returned as zero tensors of the same
+    shapes, dtypes and requires_grad (non-tensor arguments as they were)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.func import functional_call
+
+    from memplan.step import functional_state
+
+    seen: dict[str, tuple[Any, ...]] = {}
+
+    def pre_hook(path: str) -> Callable[..., None]:
+        def hook(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if kwargs:
+                raise MemplanError(
+                    f"plan_units: unit '{path}' is called with keyword arguments "
+                    f"({', '.join(kwargs)}); memplan plans a unit from positional example "
+                    "inputs. Choose units called positionally (e.g. transformer blocks)."
+                )
+            if path not in seen:
+                seen[path] = tuple(
+                    torch.zeros(a.shape, dtype=a.dtype).requires_grad_(a.requires_grad)
+                    if isinstance(a, torch.Tensor) else a for a in args)
+        return hook
+
+    for path in units:
+        model.get_submodule(path)  # a wrong path fails here, by name
+    hooks = [model.get_submodule(p).register_forward_pre_hook(pre_hook(p), with_kwargs=True)
+             for p in units]
+    was_training = model.training
+    rng = torch.get_rng_state()
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=False) as fake:
+            state = functional_state(model, {k: fake.from_tensor(v) for k, v in list(
+                model.named_parameters()) + list(model.named_buffers())})
+            args = tuple(fake.from_tensor(x) if isinstance(x, torch.Tensor) else x
+                         for x in inputs)
+            model.train()
+            with torch.enable_grad():
+                functional_call(model, state, args, tie_weights=False)
+    finally:
+        for h in hooks:
+            h.remove()
+        model.train(was_training)
+        torch.set_rng_state(rng)
+    missing = [p for p in units if p not in seen]
+    if missing:
+        raise MemplanError(f"plan_units: units {missing} were not called by the forward.")
+    return seen
+
+
+FRACTIONS = (0.9, 0.75, 0.6, 0.5, 0.4, 0.3, 0.2)
+
+
+def plan_units(model: nn.Module, units: Sequence[str], *inputs: Any, loss_fn: Any = None,
+               budget: object = None, world_size: int = 1, planner: str = "optimal"
+               ) -> UnitPlans:
+    """Plans for FSDP units of ``model`` (not yet sharded) that fit one rank's ``budget``.
+
+    Each unit is captured on its example inputs (``unit_inputs``) and planned alone; all
+    units get the same budget fraction of their plain peak, the largest fraction (least
+    recomputation) whose predicted rank peak (``RankBudget``) fits ``budget`` (a unit that
+    cannot reach a fraction gets its least-memory plan). Without a budget every unit gets
+    ``planner``'s plan without a budget (for 'optimal': the least peak). Deterministic: every rank gets the same
+    plans for the same shapes (check with ``fingerprint``).
+    """
+    from memplan.apply import apply, unapply
+    from memplan.capture import capture
+    from memplan.measure import measure
+    from memplan.planning import plan
+
+    if world_size < 1:
+        raise bad_arg("world_size", "an integer >= 1", world_size, "Pass dist.get_world_size().")
+    paths = tuple(units)
+    if not paths or len(set(paths)) != len(paths):
+        raise bad_arg("units", "distinct module paths of FSDP units", units,
+                      "Pass e.g. [f'layers.{i}' for i in range(n)].")
+    for a in paths:
+        for b in paths:
+            if a != b and b.startswith(a + "."):
+                raise bad_arg("units", "units that do not contain one another", (a, b),
+                              "FSDP units are planned one by one: pass disjoint modules.")
+    total = None if budget is None else parse_budget(budget)
+    examples = unit_inputs(model, paths, *inputs)
+    graphs = {p: capture(model.get_submodule(p), *examples[p], loss_fn=_unit_loss)
+              for p in paths}
+    mods = [model.get_submodule(p) for p in paths]
+    root_bytes = trainable_bytes([model]) - trainable_bytes(mods)
+    largest = max(trainable_bytes([m]) for m in mods)
+
+    def predict(plans: dict[str, Plan]) -> RankBudget:
+        for p, pl in plans.items():
+            apply(model.get_submodule(p), pl)
+        try:
+            rep = measure(model, *inputs, loss_fn=loss_fn, simulate=True)
+        finally:
+            for p in plans:
+                unapply(model.get_submodule(p))
+        return RankBudget(world_size, rep.peak_bytes, rep.breakdown_at_peak["parameter"],
+                          rep.breakdown_at_peak["gradient"], root_bytes, largest)
+
+    def at(fraction: float | None) -> dict[str, Plan]:
+        out: dict[str, Plan] = {}
+        for p in paths:
+            try:
+                out[p] = plan(graphs[p], budget=fraction, planner=planner)
+            except BudgetTooSmall:
+                out[p] = plan(graphs[p], budget=None, planner="optimal")
+        return out
+
+    if total is None:
+        plans = at(None)
+        return UnitPlans(paths, plans, predict(plans), None, None)
+    plain = predict({})
+    if plain.peak_bytes <= total:
+        return UnitPlans(paths, {}, plain, total, 1.0)
+    for fraction in FRACTIONS:
+        plans = at(fraction)
+        rank = predict(plans)
+        if rank.peak_bytes <= total:
+            return UnitPlans(paths, plans, rank, total, fraction)
+    plans = at(None)  # each unit's least-memory plan
+    rank = predict(plans)
+    if rank.peak_bytes <= total:
+        return UnitPlans(paths, plans, rank, total, None)
+    raise BudgetTooSmall(total, rank.peak_bytes, planner)
+
+
+def apply_units(model: nn.Module, plans: UnitPlans) -> nn.Module:
+    """Apply each unit's plan to its module (call before ``fully_shard``); returns ``model``."""
+    from memplan.apply import apply
+
+    for path in plans.units:
+        if path in plans.plans:
+            apply(model.get_submodule(path), plans.plans[path])
+    return model
+
+
+# --- measuring a rank --------------------------------------------------------------------------
+
+
+class RankTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Peak bytes of the storages one process's ops touch, counting each storage at its size
+    *now* (FSDP resizes parameter storages to 0 and back), DTensors by their local shard.
+    O(live storages) per op: for tests and small models. ``track`` registers what exists
+    before the step (parameters, gradients, optimizer state)."""
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self._storages: dict[int, weakref.ref[Any]] = {}
+        self.peak_bytes = 0
+
+    def track(self, *trees: Any) -> None:
+        for tree in trees:
+            flat, _ = tree_flatten(tree)
+            for t in flat:
+                if isinstance(t, torch.Tensor):
+                    self._add(t)
+
+    def _add(self, t: torch.Tensor) -> None:
+        local = getattr(t, "_local_tensor", None)  # DTensor: this rank's shard
+        if isinstance(local, torch.Tensor):
+            t = local
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return  # a wrapper without storage of its own
+        key = storage._cdata
+        ref = self._storages.get(key)
+        if ref is None or ref() is None:
+            self._storages[key] = weakref.ref(storage)
+
+    def live_bytes(self) -> int:
+        total = 0
+        dead = []
+        for key, ref in self._storages.items():
+            s = ref()
+            if s is None:
+                dead.append(key)
+            else:
+                total += int(s.nbytes())
+        for key in dead:
+            del self._storages[key]
+        return total
+
+    def reset_peak(self) -> None:
+        self.peak_bytes = self.live_bytes()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        self.track(args, kwargs)
+        out = func(*args, **kwargs)
+        self.track(out)
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes())
+        return out
