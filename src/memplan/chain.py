@@ -389,7 +389,9 @@ def _run(c: Chain, items: tuple[Item, ...], pos: int, used: int, droppable: bool
             s, e = it.start, it.end
             fwd = max(int(tf0[k]) + (int(c.x[k - 1]) if k > s else 0) for k in range(s, e + 1))
             now = used + int(c.x[e])
-            p_body, f_body = _run(c, it.body, 0, used, False, int(c.gb[e]), True)
+            # Gradient bytes when the region replays: gb counts the unsaved part of its output
+            # (d) as resident, but it was freed in the forward.
+            p_body, f_body = _run(c, it.body, 0, used, False, int(c.gb[e] + c.d[e]), True)
             peak = max(peak, used + gfwd + fwd, p_body)
             flops += int(c.f[s : e + 1].sum()) + f_body
         used, droppable = now, True

@@ -140,7 +140,8 @@ def _build(c: C.Chain, budget_bytes: int | None, depth: int, drop_cheap: bool
     z = [0.0]
     x, xbar, xsac = c.x / u, c.xbar / u, c.xsac / u
     dprev = np.concatenate((z, c.d[:-1] / u))
-    tf, tf0, gb = c.tf / u, c.tf0 / u, c.gb / u
+    tf, tf0 = c.tf / u, c.tf0 / u
+    gb = (c.gb + c.d) / u  # gradient bytes when a region ending there replays (chain._run)
     # Inside regions the runtime replays (chain.Chain.tf_replay, tf0_replay).
     tfr, tfr0, tfs = c.tf_replay / u, c.tf0_replay / u, c.tf_sac / u
     back_keep = (c.xbar + c.gb + c.tb) / u - dprev

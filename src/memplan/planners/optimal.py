@@ -107,7 +107,9 @@ class _Tables:
     dprev: I64
 
     def gf(self, t: np.ndarray | int) -> np.ndarray:
-        """Gradient bytes held during a forward whose enclosing sequence ends at stage t."""
+        """Gradient bytes held during a forward whose enclosing sequence ends at stage t (a
+        region's replay: gb_t plus the unsaved part of its output, d_t, which gb counts as
+        resident; chain._run)."""
         return np.where(np.asarray(t) == self.k - 1, 0, self.gb[t])
 
     def diag(self, table: np.ndarray, t: int, s: int, rows: int, jumps: int = 0) -> np.ndarray:
@@ -161,7 +163,7 @@ def solve(c: Chain, avail_bytes: int, slots: int = 256, slot_bytes: int | None =
     shape = (k, k, mm + 1)  # only t >= s is ever written or read: no need to initialise
     tab = _Tables(k, np.empty(shape), np.empty(shape), np.empty(shape),
                   [np.zeros(0, dtype=np.int8)], np.concatenate(([0.0], np.cumsum(f))), f0, f0r,
-                  _slots(c.gb, slot), x, xbar, xsac, dprev)
+                  _slots(c.gb + c.d, slot), x, xbar, xsac, dprev)
     rows = max(((n - 1) * (k - n + 1) for n in range(1, k + 1)), default=0)
     work = np.empty(rows * (mm + 1))
     mask = np.empty(rows * (mm + 1), dtype=np.bool_)
