@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 from memplan import graph as g
@@ -26,6 +27,8 @@ def capture(model: Any, *inputs: Any, loss_fn: LossFn | None = None,
         "ops": n, "fingerprint": g.forward_fingerprint([o.target for o in graph.ops[:n]]),
         "inputs": result.input_specs, "autocast": autocast_state(),
     }
+    del result
+    gc.collect()  # the step's autograd graph and fake tensors: freed now, not during planning
     return graph
 
 
