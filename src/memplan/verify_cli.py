@@ -1,0 +1,29 @@
+"""``memplan verify MODEL --plan plan.json``: one real step plain and one under the plan.
+Exit 0 only when gradients and BatchNorm state are bit-equal, the RNG state matches and the
+measured peak is within 2% of the prediction (and the budget); 1 when any fails; 2 on errors."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("verify", help="one real step plain and one under a plan, compared")
+    p.add_argument("model", help="e.g. resnet:depth=50,batch=8 or package.module:factory")
+    p.add_argument("--plan", required=True, help="a plan file from memplan plan -o")
+    p.add_argument("--batch", type=int, default=None, help="override the workload's batch")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--repeat", type=int, default=5, help="timed steps of each (default 5)")
+    p.set_defaults(run=_verify)
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from memplan.commands import load_plan
+    from memplan.spec import resolve
+    from memplan.verify import verify
+
+    plan = load_plan(args.plan)
+    obj, inputs, loss_fn = resolve(args.model, args.batch).call_args()
+    report = verify(obj, plan, *inputs, loss_fn=loss_fn, device=args.device, repeat=args.repeat)
+    print(report.summary())
+    return 0 if report.ok else 1
