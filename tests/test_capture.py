@@ -4,11 +4,11 @@ import json
 
 import pytest
 import torch
+from small import small
 from torch import nn
 
 import memplan
 from memplan.graph import ACTIVATION, PARAMETER, Graph
-from small import small
 
 
 def _autograd_saved_bytes(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn) -> int:

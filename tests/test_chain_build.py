@@ -154,10 +154,19 @@ def _span_peak(spans: list[tuple[int, int, int]], lo: int, hi: int) -> int:
     return int(np.cumsum(delta)[:-1].max())
 
 
-def _same(a: C.Chain, b: C.Chain) -> None:
+PINNED = ("xsac", "xsac_b", "tf0")  # made prohibitive after the model's forward (the loss)
+
+
+def _same(a: C.Chain, b: C.Chain, n_model: int | None = None) -> None:
+    inside = np.ones(a.n, dtype=bool) if n_model is None else a.first < n_model
     for name in ARRAYS:
         x, y = getattr(a, name), getattr(b, name)
-        assert x.dtype == y.dtype == np.int64 and np.array_equal(x, y), name
+        assert x.dtype == y.dtype == np.int64, name
+        if name in PINNED:
+            assert np.array_equal(x[inside], y[inside]), name
+            assert (x[~inside] > a.xbar.sum()).all(), name  # never worth recomputing
+        else:
+            assert np.array_equal(x, y), name
     for name in ("fingerprint", "modules", "base_bytes", "step_flops", "cheap_ops"):
         assert getattr(a, name) == getattr(b, name), name
 
@@ -173,11 +182,12 @@ def _graphs() -> list[tuple[str, Graph]]:
 def test_build_chain_equals_reference(index: int) -> None:
     name, graph = _graphs()[index]
     assert C.clean_cuts(graph) == reference_clean_cuts(graph), name
-    _same(C.build_chain(graph), reference_build_chain(graph))
+    n_model = (graph.meta.get("forward") or {}).get("ops")
+    _same(C.build_chain(graph), reference_build_chain(graph), n_model)
     every = list(range(len(graph.cut_points)))  # not clean where skips cross cuts
-    _same(C.build_chain(graph, every), reference_build_chain(graph, every))
+    _same(C.build_chain(graph, every), reference_build_chain(graph, every), n_model)
     odd = every[1::2] if every[-1] % 2 else every[1::2] + [every[-1]]
-    _same(C.build_chain(graph, odd), reference_build_chain(graph, odd))
+    _same(C.build_chain(graph, odd), reference_build_chain(graph, odd), n_model)
 
 
 def test_graph_arrays_are_cached_per_graph() -> None:

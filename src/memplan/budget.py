@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from memplan.report import format_bytes
-
 import re
 
 from memplan.errors import MemplanError, bad_arg
+from memplan.report import format_bytes
 
 UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}

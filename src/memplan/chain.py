@@ -299,6 +299,14 @@ def build_chain(graph: g.Graph, cuts: list[int] | None = None) -> Chain:
         tb[has] = tb_has - lb_pre[has]
     resident = np.cumsum(xbar - np.concatenate(([0], d[:-1])))
     gb = lb_pre - ga.base_bytes - resident
+    # Stages wholly after the model's forward (the loss) run outside the model, where the
+    # runtime cannot recompute: make recomputing them cost more than any plain step.
+    n_model = (graph.meta.get("forward") or {}).get("ops")
+    if n_model is not None and bool((firsts >= n_model).any()):
+        outside = firsts >= n_model
+        big = int(ga.base_bytes + xbar.sum() + tf.max() + tb.max() + np.abs(gb).max()) + 1
+        xsac, xsac_b, tf0, tfr0, tfs = (np.where(outside, big, a)
+                                         for a in (xsac, xsac_b, tf0, tfr0, tfs))
     return Chain(
         fingerprint=ga.fingerprint, first=firsts, last=afters.copy(),
         modules=tuple(graph.cut_points[int(i)].module for i in cut_idx), f=f, b=bfl, x=x,

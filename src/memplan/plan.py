@@ -99,8 +99,8 @@ class Plan:
             f"  peak {fmt_bytes(self.peak_bytes)} (plain {fmt_bytes(self.plain_peak_bytes)}, "
             f"{self.plain_peak_bytes / max(self.peak_bytes, 1):.1f}x less)"
             + (f", budget {fmt_bytes(self.budget_bytes)}" if self.budget_bytes else ""),
-            f"  recomputation {self.extra_flops:.3g} FLOPs = {self.extra_fraction:.1%} of the "
-            f"plain step = {self.extra_flops / max(fwd, 1):.2f} extra forward passes",
+            (f"  recomputation {self.extra_flops:.3g} FLOPs = {self.extra_fraction:.1%} of the "
+             f"plain step = {self.extra_flops / max(fwd, 1):.2f} extra forward passes"),
             f"  always resident: parameters, buffers, inputs {fmt_bytes(self.base_bytes)}",
         ]
         if self.predicted_time_s is not None:

@@ -39,7 +39,7 @@ class MemoryReport:
         return line
 
 
-def format_bytes(n: int | float) -> str:
+def format_bytes(n: float) -> str:
     """Binary units: 1536 -> '1.50 KiB'."""
     value = float(n)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):

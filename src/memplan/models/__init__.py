@@ -7,8 +7,9 @@ mode, so paper-scale configurations cost no real memory.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -19,7 +20,7 @@ from memplan.models.gpt import GPT
 from memplan.models.lstm import LSTM
 from memplan.models.resnet import ResNet
 
-__all__ = ["Workload", "get", "names", "defaults"]
+__all__ = ["Workload", "defaults", "get", "names"]
 
 
 @dataclass(frozen=True)

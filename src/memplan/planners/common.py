@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any
 
 from memplan import chain as C
 from memplan import graph as g
@@ -10,7 +10,7 @@ from memplan.budget import BudgetTooSmall
 from memplan.errors import bad_arg
 from memplan.plan import Plan, make_plan
 
-ChainLike = Union[g.Graph, C.Chain]
+ChainLike = g.Graph | C.Chain
 
 
 def as_chain(obj: ChainLike) -> C.Chain:
