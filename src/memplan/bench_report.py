@@ -89,7 +89,7 @@ def plot(rows: Sequence[Row], path: Path, title: str) -> None:
             style = "--" if all(r.get("measured_peak_bytes") is None for r in rows
                                 if r["method"] == m) else "-"
             ax.plot(*zip(*pts), style, marker="o", label=m, color=f"C{i % 10}")
-    _axes(ax, key, "peak memory (GB)", title)
+    log_axes(ax, key, "peak memory (GB)", title)
     if real:
         ax = axes[0][1]
         for i, m in enumerate(methods):
@@ -97,7 +97,7 @@ def plot(rows: Sequence[Row], path: Path, title: str) -> None:
                          if r["method"] == m and r.get("step_time_s"))
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=m, color=f"C{i % 10}")
-        _axes(ax, key, "time per step (s)", "step time")
+        log_axes(ax, key, "time per step (s)", "step time")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -111,14 +111,15 @@ def peak_of(r: Row) -> float:
     return 0.0
 
 
-def _axes(ax: Any, xlabel: str, ylabel: str, title: str) -> None:
+def log_axes(ax: Any, xlabel: str, ylabel: str, title: str, legend_size: int = 7) -> None:
+    """Log-log (base 2) axes with labels, grid and legend: the papers' figure style."""
     ax.set_xscale("log", base=2)
     ax.set_yscale("log", base=2)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=legend_size)
 
 
 def write_all(rows: Sequence[Row], out: Path, name: str, title: str) -> list[Path]:

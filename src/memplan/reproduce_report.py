@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from memplan.bench_report import write_csv
+from memplan.bench_report import log_axes, write_csv
 
 Row = dict[str, Any]
 GB = 1e9
@@ -240,8 +240,8 @@ def plot(memory: Sequence[Row], timing: Sequence[Row], path: Path) -> None:
             ax.plot([1000], [PAPER["resnet1000_plain_gb"][0]], "k^", label="paper: plain 48 GB")
             ax.plot([1000], [PAPER["resnet1000_sublinear_gb"][0]], "kv",
                     label="paper: sublinear < 7 GB")
-        _axes(ax, "layers" if model == "resnet" else "unroll steps", "memory (GB)",
-              "Fig. 5: ResNet" if model == "resnet" else "Fig. 6: LSTM")
+        log_axes(ax, "layers" if model == "resnet" else "unroll steps", "memory (GB)",
+                 "Fig. 5: ResNet" if model == "resnet" else "Fig. 6: LSTM", legend_size=6)
     if timing:
         ax = axes[0][n - 1]
         for i, model in enumerate(sorted({r["model"] for r in timing})):
@@ -253,20 +253,11 @@ def plot(memory: Sequence[Row], timing: Sequence[Row], path: Path) -> None:
                 if pts:
                     ax.plot(*zip(*pts), "-" if i == 0 else "--", marker="o", ms=3,
                             label=f"{model} {label}", color=f"C{j}")
-        _axes(ax, "layers / unroll steps", "time per batch (s)", "Fig. 7: time (CPU, small)")
+        log_axes(ax, "layers / unroll steps", "time per batch (s)", "Fig. 7: time (CPU, small)",
+                 legend_size=6)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-def _axes(ax: Any, xlabel: str, ylabel: str, title: str) -> None:
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log", base=2)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=6)
 
 
 def write(memory: Sequence[Row], timing: Sequence[Row], out: Path, quick: bool) -> list[Path]:
