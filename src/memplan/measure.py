@@ -33,15 +33,8 @@ def measure(
     """
     if repeat < 1:
         raise bad_arg("repeat", "an integer >= 1", repeat, "Use repeat=3 (the default).")
-    try:
-        dev = torch.device(device)
-    except RuntimeError:
-        dev = torch.device("meta")  # any unsupported type: rejected just below
-    if dev.type not in ("cpu", "cuda"):
-        raise bad_arg("device", "'cpu' or 'cuda'", device, "Measure on one of those devices.")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise bad_arg("device", "a device present on this machine", device,
-                      "Use device='cpu' or simulate=True.")
+    dev = check_device(device, "Measure on one of those devices.",
+                       "Use device='cpu' or simulate=True.")
     target = as_target(model, inputs, loss_fn)
     if simulate:
         result = run_step(target, simulate=True, record=False, device=device)
@@ -63,6 +56,19 @@ def measure(
         **{**report.to_dict(), "step_time_s": step_time, "allocator_peak_bytes": allocator_peak,
            "device_name": name}
     )
+
+
+def check_device(device: str, fix_type: str, fix_missing: str) -> torch.device:
+    """``device`` as a torch.device: 'cpu' or a CUDA device present on this machine."""
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        dev = torch.device("meta")  # any unsupported type: rejected just below
+    if dev.type not in ("cpu", "cuda"):
+        raise bad_arg("device", "'cpu' or 'cuda'", device, fix_type)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise bad_arg("device", "a device present on this machine", device, fix_missing)
+    return dev
 
 
 @contextlib.contextmanager

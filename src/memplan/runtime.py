@@ -44,11 +44,9 @@ Pos = tuple[int, int]  # (tape entry, output index)
 
 @dataclass(eq=False)
 class Template:
-    """A recompute scope of the plan: forward ops ``first_op .. last_op``."""
+    """A recompute scope of the plan (a region, nested in ``parent``, or a drop-cheap stage)."""
 
     kind: str  # "region" | "drop-cheap"
-    first_op: int
-    last_op: int
     parent: Template | None
     index: int = 0
 
@@ -63,7 +61,6 @@ class Layout:
     # kept stages run with no dispatch mode at all.
     end_calls: list[tuple[str, int] | None]
     templates: list[Template]
-    n_ops: int  # forward ops of the model
 
     @property
     def boundary_modules(self) -> tuple[str, ...]:
@@ -90,8 +87,7 @@ def layout(plan: Plan, n_ops: int, call_ends: dict[str, list[int]]) -> Layout:
                     "model): make the plan with memplan.plan(...) for this model and loss."
                 )
             kind = "drop-cheap" if isinstance(it, C.DropCheap) else "region"
-            t = Template(kind, plan.stages[lo].first_op, plan.stages[hi].last_op, parent,
-                         len(templates))
+            t = Template(kind, parent, len(templates))
             templates.append(t)
             for k in range(lo, hi + 1):
                 scope[k] = t
@@ -113,7 +109,7 @@ def layout(plan: Plan, n_ops: int, call_ends: dict[str, list[int]]) -> Layout:
                 "Make the plan for this model with memplan.plan(...)."
             )
         end_calls.append((st.module, ends.index(st.last_op + 1) + 1))
-    return Layout(scope, end_calls, templates, n_ops)
+    return Layout(scope, end_calls, templates)
 
 
 # --- one forward's tape ------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from memplan import chain as C
 from memplan import graph as g
 from memplan.errors import MemplanError, bad_arg
+from memplan.measure import check_device
 from memplan.step import LossFn, Target, as_target
 from memplan.tracer import is_counted
 
@@ -103,15 +104,7 @@ def stage_times(w_or_model: Any, *inputs: Any, loss_fn: LossFn | None = None,
 
 
 def _device(device: str) -> torch.device:
-    try:
-        dev = torch.device(device)
-    except RuntimeError:
-        dev = torch.device("meta")  # any unsupported type: rejected just below
-    if dev.type not in ("cpu", "cuda"):
-        raise bad_arg("device", "'cpu' or 'cuda'", device, "Time on one of those devices.")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise bad_arg("device", "a device present on this machine", device, "Use device='cpu'.")
-    return dev
+    return check_device(device, "Time on one of those devices.", "Use device='cpu'.")
 
 
 def _build(target: Target, device: str) -> tuple[torch.nn.Module, tuple[Any, ...]]:
