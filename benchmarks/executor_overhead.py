@@ -1,0 +1,168 @@
+"""Issue 14 item 4: memplan's executor against torch's own checkpointing over the same units.
+
+Small-op models, where the executor's per-op Python cost shows: a GPT (each block in its own
+region vs every unit in a non-reentrant ``torch.utils.checkpoint``) and the LSTM (sqrt(T)
+segments of steps in regions vs the same segments in ``checkpoint``, as
+``checkpoint_sequential`` splits them). Both sides recompute the same ops and keep the same
+boundaries; their peaks are measured and printed beside the times. Times: process CPU time
+(and wall) of whole training steps, runs interleaved round-robin, medians, 1 thread.
+
+    .venv/bin/python benchmarks/executor_overhead.py [--device cpu|cuda] [--repeat 15]
+        [--only gpt|lstm] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+import memplan
+from memplan import chain as C
+from memplan.apply import apply, forward_targets
+from memplan.models import Workload
+from memplan.peers import _torch_segments, peer_workload, sqrt_segments
+from memplan.plan import make_plan
+
+GPT_SIZES = [  # (layers, d_model, seq_len): issue 14's small-op GPTs
+    (4, 64, 64), (4, 128, 128), (6, 256, 256)]
+LSTM_STEPS = [32, 64, 128]
+GPT_FIXED = {"batch": 4, "heads": 4, "vocab": 1000}
+LSTM_FIXED = {"batch": 16, "hidden": 256, "input": 50, "classes": 500}
+
+
+def unit_plan(w: Workload, graph: memplan.Graph, unit_ends: list[int],
+              recomputed: list[bool]) -> memplan.Plan:
+    """The plan whose regions are the given units: a stage belongs to the first unit whose
+    call ends at or after the stage's last op (``unit_ends``: op counts at the end of each
+    unit's call); units with ``recomputed[k]`` False, and stages after the last unit (the
+    loss), are kept."""
+    chain = C.build_chain(graph)
+    n_model = int(graph.meta["forward"]["ops"])
+
+    def unit(s: int) -> int:
+        end = int(chain.last[s]) + 1
+        for k, e in enumerate(unit_ends):
+            if end <= e:
+                return k
+        return len(unit_ends)
+
+    items: list[C.Item] = []
+    s = 0
+    while s < chain.n:
+        k = unit(s)
+        e = s
+        while e + 1 < chain.n and unit(e + 1) == k and int(chain.last[e + 1]) < n_model:
+            e += 1
+        if k < len(unit_ends) and recomputed[k] and int(chain.last[e]) < n_model:
+            items.append(C.Region(s, e, tuple(C.Keep(t) for t in range(s, e + 1))))
+        else:
+            items.extend(C.Keep(t) for t in range(s, e + 1))
+        s = e + 1
+    plan = make_plan(chain, tuple(items), "units", {"units": len(unit_ends)}, None)
+    return dataclasses.replace(plan, forward=graph.meta["forward"])
+
+
+def call_ends(model: nn.Module, inputs: tuple[Any, ...], paths: list[str]) -> list[int]:
+    """Op counts at the end of each call of the modules ``paths``, in forward order."""
+    ends = forward_targets(model, inputs, watch=paths).call_ends
+    return sorted(e for p in paths for e in ends[p])
+
+
+def gpt_case(layers: int, d_model: int, seq_len: int) -> tuple[str, Workload, Workload,
+                                                                 list[int], list[bool]]:
+    w = memplan.models.get("gpt", layers=layers, d_model=d_model, seq_len=seq_len, **GPT_FIXED)
+    model = w.build_model()
+    paths = [f"net.blocks.{i}" for i in range(layers)] + ["net.head"]
+    ends = call_ends(model, w.build_inputs(), paths)
+    return (f"gpt {layers}L d{d_model} T{seq_len}", w, peer_workload(w, "per-block"), ends,
+            [True] * len(ends))
+
+
+def lstm_case(steps: int) -> tuple[str, Workload, Workload, list[int], list[bool]]:
+    w = memplan.models.get("lstm", steps=steps, **LSTM_FIXED)
+    model = w.build_model()
+    step_ends = call_ends(model, w.build_inputs(), ["step"])
+    bounds = _torch_segments(steps, sqrt_segments(steps))
+    ends = [step_ends[b - 1] for _, b in bounds]
+    return (f"lstm T{steps}", w, peer_workload(w, "checkpoint_sequential"), ends,
+            [b < steps for _, b in bounds])
+
+
+def timed(models: dict[str, nn.Module], inputs: tuple[Any, ...], loss: Any, repeat: int,
+          cuda: bool) -> tuple[dict[str, float], dict[str, float]]:
+    """Median wall and process-CPU time of a step, runs interleaved round-robin."""
+    wall: dict[str, list[float]] = {k: [] for k in models}
+    cpu: dict[str, list[float]] = {k: [] for k in models}
+    for i in range(repeat + 2):  # two warm-up rounds
+        for name, model in models.items():
+            for p in model.parameters():
+                p.grad = None
+            if cuda:
+                torch.cuda.synchronize()
+            w0, c0 = time.perf_counter(), time.process_time()
+            loss(model(*inputs)).backward()
+            if cuda:
+                torch.cuda.synchronize()
+            w1, c1 = time.perf_counter(), time.process_time()
+            if i >= 2:
+                wall[name].append(w1 - w0)
+                cpu[name].append(c1 - c0)
+    return ({k: statistics.median(v) for k, v in wall.items()},
+            {k: statistics.median(v) for k, v in cpu.items()})
+
+
+def run_case(case: tuple[str, Workload, Workload, list[int], list[bool]], dev: str,
+             repeat: int) -> dict[str, Any]:
+    name, w, peer, ends, recomputed = case
+    graph = memplan.capture(w, device=dev)
+    plan = unit_plan(w, graph, ends, recomputed)
+    with torch.device(dev):
+        inputs = w.build_inputs()
+        models = {"plain": w.build_model(), "torch checkpoint": peer.build_model(),
+                  "memplan": apply(w.build_model(), plan)}
+    peaks = {k: memplan.measure(m, *inputs, loss_fn=w.loss, simulate=False, device=dev,
+                                repeat=1).peak_bytes for k, m in models.items()}
+    wall, cpu = timed(models, inputs, w.loss, repeat, dev == "cuda")
+    row = {"case": name, "peak_bytes": peaks, "wall_s": wall, "cpu_s": cpu,
+           "predicted_peak_bytes": plan.peak_bytes, "regions": sum(recomputed)}
+    print(f"| {name} | {cpu['plain'] * 1e3:.2f} ms | "
+          f"{cpu['torch checkpoint'] / cpu['plain']:.3f}x | {cpu['memplan'] / cpu['plain']:.3f}x | "
+          f"{wall['torch checkpoint'] / wall['plain']:.3f}x | {wall['memplan'] / wall['plain']:.3f}x | "
+          f"{peaks['torch checkpoint'] / 1e6:.2f} / {peaks['memplan'] / 1e6:.2f} |", flush=True)
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--repeat", type=int, default=15)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--only", choices=["gpt", "lstm"], default=None)
+    ap.add_argument("--out", default="out/executor")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    cases = []
+    if args.only in (None, "gpt"):
+        cases += [gpt_case(*s) for s in GPT_SIZES]
+    if args.only in (None, "lstm"):
+        cases += [lstm_case(t) for t in LSTM_STEPS]
+    print(f"device {args.device}, torch threads {torch.get_num_threads()}, medians of "
+          f"{args.repeat} interleaved steps; load {os.getloadavg()[0]:.2f}")
+    print("| model | plain (CPU) | torch ckpt CPU | memplan CPU | torch ckpt wall | memplan wall "
+          "| peak MB torch / memplan |\n|---|---|---|---|---|---|---|")
+    rows = [run_case(c, args.device, args.repeat) for c in cases]
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"executor_{args.device}.json"), "w") as fh:
+        json.dump(rows, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
