@@ -131,6 +131,16 @@ def test_measured_peak_matches_prediction(name: str, planner: str) -> None:
         assert abs(measured - plan.peak_bytes) <= 0.02 * plan.peak_bytes, (simulate, measured)
 
 
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("planner", PLANNERS)
+def test_simulated_peak_of_applied_model_equals_real(name: str, planner: str) -> None:
+    """The applied model's step on fake tensors allocates exactly what the real one does
+    (issue 14.6: BatchNorm statistics were copied only under fake tensors)."""
+    w = small(name, dropout=0.1)
+    model = memplan.apply(w.build_model(), _plan(name, planner))
+    assert _measured(w, model, simulate=True) == _measured(w, model, simulate=False)
+
+
 def test_optimal_under_budget_fits_and_saves() -> None:
     w = small("gpt", dropout=0.1)
     plain = _measured(w, w.build_model(), simulate=False)
@@ -250,11 +260,12 @@ def test_user_model_with_kwargs_dict_outputs_and_frozen_layers(planner: str) -> 
     assert model.inp.weight.grad is None
 
 
-def test_autocast_bf16_equals_plain_autocast() -> None:
+@pytest.mark.parametrize("planner", ["recursive", "sqrt"])
+def test_autocast_bf16_equals_plain_autocast(planner: str) -> None:
     w = small("gpt", dropout=0.1)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         graph = memplan.capture(w)
-    plan = memplan.plan(graph, planner="recursive")
+    plan = memplan.plan(graph, planner=planner)
 
     def step(model: nn.Module) -> dict[str, Any]:
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -263,7 +274,8 @@ def test_autocast_bf16_equals_plain_autocast() -> None:
     _assert_same(step(w.build_model()), step(memplan.apply(w.build_model(), plan)))
 
 
-def test_double_backward_equals_plain() -> None:
+@pytest.mark.parametrize("planner", ["recursive", "sqrt", "drop-cheap"])
+def test_double_backward_equals_plain(planner: str) -> None:
     x, y = _tower_inputs()
 
     def grad_penalty(model: nn.Module) -> list[Any]:
@@ -279,7 +291,7 @@ def test_double_backward_equals_plain() -> None:
     ref = Tower()
     torch.manual_seed(0)
     model = Tower()
-    memplan.apply(model, memplan.plan(model, x, y, loss_fn=_tower_loss, planner="recursive"))
+    memplan.apply(model, memplan.plan(model, x, y, loss_fn=_tower_loss, planner=planner))
     assert _equal(grad_penalty(ref), grad_penalty(model))
 
 

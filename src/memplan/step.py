@@ -96,9 +96,34 @@ def _fake_mode(simulate: bool) -> Iterator[FakeTensorMode | None]:
         yield mode
 
 
+@contextlib.contextmanager
+def kept_python_state(model: nn.Module) -> Iterator[None]:
+    """Restore the attributes of ``model``'s modules that a forward rebinds (call counters,
+    cached shapes, a fake tensor kept as an attribute): forwards on fake tensors (capture,
+    plan, apply's check) leave the model as they found it. Changes inside mutable attributes
+    (a list a forward appends to) are not undone."""
+    saved = [(m, dict(m.__dict__)) for m in model.modules()]
+    try:
+        yield
+    finally:
+        for m, before in saved:
+            now = m.__dict__
+            for key in [k for k in now if k not in before]:
+                del now[key]
+            for key, value in before.items():
+                if now.get(key, _MISSING) is not value:
+                    now[key] = value
+
+
+_MISSING = object()
+
+
 def run_step(target: Target, *, simulate: bool, record: bool, device: str | None = None) -> StepResult:
-    """One forward+loss+backward under a tracer. Fake tensors when ``simulate``."""
-    with _no_cyclic_gc(), _fake_mode(simulate) as fake:
+    """One forward+loss+backward under a tracer. Fake tensors when ``simulate`` (a user's
+    model keeps its Python attributes: ``kept_python_state``)."""
+    kept = simulate and target.user_model is not None
+    with (kept_python_state(target.user_model) if kept and target.user_model is not None
+          else contextlib.nullcontext()), _no_cyclic_gc(), _fake_mode(simulate) as fake:
         model, inputs = _materialise(target, fake, device)
         params: dict[str, torch.Tensor] = dict(model.named_parameters())
         buffers = dict(model.named_buffers())
