@@ -14,9 +14,11 @@ from __future__ import annotations
 import contextlib
 import inspect
 import json
+import logging
 import os
 import warnings
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -445,6 +447,7 @@ def forward_targets(model: nn.Module, inputs: tuple[Any, ...] | None,
     device = next(iter(model.parameters()), torch.empty(0)).device
     with contextlib.ExitStack() as stack:
         stack.enter_context(kept_python_state(model))
+        stack.enter_context(_quiet_fake_tensor_log())  # a failing forward is reported by us
         stack.enter_context(_no_cyclic_gc())  # values die by reference counting, in order
         stack.callback(torch.set_rng_state, rng)
         stack.enter_context(_global_module_hooks(pre, post))
@@ -545,7 +548,18 @@ class _Count(TorchDispatchMode):  # type: ignore[no-untyped-call]
             del self.live[key]
 
 @contextlib.contextmanager
-def _global_module_hooks(pre: Any, post: Any) -> Any:
+def _quiet_fake_tensor_log() -> Iterator[None]:
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+@contextlib.contextmanager
+def _global_module_hooks(pre: Any, post: Any) -> Iterator[None]:
     h1 = torch.nn.modules.module.register_module_forward_pre_hook(pre)
     h2 = torch.nn.modules.module.register_module_forward_hook(post)
     try:

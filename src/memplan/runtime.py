@@ -856,7 +856,7 @@ def _no_autocast() -> Iterator[None]:
     """The tape holds the ops autocast already chose (casts included): replay them as they are."""
     with contextlib.ExitStack() as stack:
         for device in _DEVICES:
-            if device == "cpu" or torch.cuda.is_available():
+            if torch.is_autocast_enabled(device):  # backward runs without autocast, mostly
                 stack.enter_context(torch.autocast(device_type=device, enabled=False))
         yield
 
