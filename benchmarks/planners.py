@@ -4,7 +4,7 @@ T=1024, planning times (ResNet-1000, LSTM T=2048), and objective='time' on a rea
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/planners.py [--ilp-time-limit 10]
 
 Captured graphs are cached as JSON under out/ (capture of LSTM T=2048 takes ~3 min); a cache
-written by a memplan older than the runtime (no meta['forward']) is captured again.
+of an older graph schema is captured again.
 """
 
 from __future__ import annotations
@@ -17,11 +17,12 @@ import time
 from typing import Any
 
 import memplan
-from memplan import chain as C
-from memplan.budget import BudgetTooSmall
-from memplan.graph import Graph
-from memplan.plan import Plan, make_plan
-from memplan.planners import PLANNERS
+from memplan.core import chain as C
+from memplan.core import schedule as S
+from memplan.core.graph import SCHEMA_VERSION, Graph
+from memplan.core.plan import Plan, make_plan
+from memplan.core.planners import PLANNERS
+from memplan.errors import BudgetTooSmall
 
 OUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "out")
 HEAD = ("\n| plan | predicted peak | extra FLOPs (% of step) | extra fwd passes | plan time | "
@@ -32,9 +33,9 @@ def graph(name: str, file: str, **params: Any) -> Graph:
     path = os.path.join(OUT, file)
     if os.path.exists(path):
         with open(path) as fh:
-            g = Graph.from_dict(json.load(fh))
-        if "forward" in g.meta:
-            return g
+            data = json.load(fh)
+        if data.get("schema_version") == SCHEMA_VERSION:
+            return Graph.from_dict(data)
     t = time.perf_counter()
     g = memplan.capture(memplan.models.get(name, **params))
     print(f"(captured {file} in {time.perf_counter() - t:.0f} s)")
@@ -70,9 +71,9 @@ def resnet(ilp_s: float) -> None:
     g = graph("resnet", "graph-resnet1000.json", depth=1000, batch=32)
     chain = C.build_chain(g)
     fwd = g.fwd_flops
-    plain = C.simulate(chain, C.plain_schedule(chain))[0]
+    plain = S.simulate(chain, S.plain_schedule(chain))[0]
     print(f"\n## ResNet-1000 (batch 32, 224x224, fp32): {chain.n} stages, plain peak "
-          f"{plain / 1e9:.2f} GB (trace {g.meta['peak_bytes'] / 1e9:.2f} GB)")
+          f"{plain / 1e9:.2f} GB (trace {g.peak_bytes / 1e9:.2f} GB)")
     print(HEAD)
     for label, name, kw in [
         ("sqrt (19 segments, by bytes)", "sqrt", {}), ("sqrt, 18 segments", "sqrt",
@@ -101,10 +102,10 @@ def resnet(ilp_s: float) -> None:
 def lstm(steps: int, ilp_s: float) -> None:
     g = graph("lstm", f"graph-lstm{steps}.json", steps=steps)
     chain = C.build_chain(g)
-    plain = C.simulate(chain, C.plain_schedule(chain))[0]
+    plain = S.simulate(chain, S.plain_schedule(chain))[0]
     fwd = g.fwd_flops
     print(f"\n## LSTM T={steps} (batch 64, hidden 1024, 4 layers): {chain.n} stages, plain peak "
-          f"{plain / 1e9:.3f} GB (trace {g.meta['peak_bytes'] / 1e9:.3f} GB)")
+          f"{plain / 1e9:.3f} GB (trace {g.peak_bytes / 1e9:.3f} GB)")
     print(HEAD)
     for name in ("sqrt", "chen"):
         run(name, PLANNERS[name], chain, None, fwd, plain)
@@ -134,7 +135,7 @@ def planning_times(repeat: int = 5) -> None:
             t0 = time.perf_counter()
             chain = C.build_chain(g)
             t1 = time.perf_counter()
-            b = int(budget) if budget else C.simulate(chain, C.plain_schedule(chain))[0] // 16
+            b = int(budget) if budget else S.simulate(chain, S.plain_schedule(chain))[0] // 16
             t2 = time.perf_counter()
             PLANNERS["optimal"](chain, b)
             t3 = time.perf_counter()
@@ -154,11 +155,11 @@ def time_objective(depth: int, batch: int, device: str) -> None:
     g = memplan.capture(w)
     chain = C.build_chain(g)
     t = time.perf_counter()
-    from memplan.timing import stage_times
+    from memplan.tracing.timing import stage_times
 
     times = stage_times(w, graph=g, device=device)
     dt = time.perf_counter() - t
-    plain = C.simulate(chain, C.plain_schedule(chain))[0]
+    plain = S.simulate(chain, S.plain_schedule(chain))[0]
     budget = (PLANNERS["optimal"](chain, None).peak_bytes + plain) // 2
     print(f"\n## objective='time': ResNet-{depth}, batch {batch}, 224x224 on {device} "
           f"({chain.n} stages, forward {sum(times):.3f} s measured in {dt:.1f} s, median of 3)")

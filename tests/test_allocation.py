@@ -9,11 +9,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from memplan import graph as g
-from memplan.allocation import Allocation, allocate, feature_map_bytes, plan_memory
+from memplan.api import feature_map_bytes, plan_memory
+from memplan.core import graph as g
+from memplan.core import schedule as S
+from memplan.core.ops import is_expensive
+from memplan.core.planners.sqrt import plan_sqrt
+from memplan.core.static.allocation import Allocation, allocate
+from memplan.core.static.mirror_plans import drop_cheap_mirror, mirror_counts, sqrt_mirror
+from memplan.core.static.training_graph import Step, TrainingGraph, training_graph
 from memplan.errors import ConfigError
-from memplan.mirror_plans import drop_bn_relu_plan, sqrt_plan
-from memplan.training_graph import Step, TrainingGraph, training_graph
 
 STRATEGIES = ("none", "inplace", "sharing")
 
@@ -299,7 +303,7 @@ def test_minimum_dependencies(resnet: g.Graph) -> None:
 def test_captured_plans(model: str, request: pytest.FixtureRequest) -> None:
     graph: g.Graph = request.getfixturevalue(model)
     fm_bytes = sum(v.nbytes for v in graph.values if v.kind in (g.ACTIVATION, g.BACKWARD))
-    plans: list[Any] = [None, drop_bn_relu_plan(graph), sqrt_plan(graph)]
+    plans: list[Any] = [None, drop_cheap_mirror(graph), sqrt_mirror(graph)]
     totals = {}
     for i, plan in enumerate(plans):
         out = allocate_all(training_graph(graph, plan))
@@ -311,23 +315,30 @@ def test_captured_plans(model: str, request: pytest.FixtureRequest) -> None:
     assert feature_map_bytes(graph) == totals[0]
 
 
-def test_sqrt_plan_keeps_cut_values(resnet: g.Graph) -> None:
-    plan = sqrt_plan(resnet)
-    kept = [i for i, m in enumerate(plan) if m == 0]
-    assert 0 < len(kept) < len(plan) // 4
-    assert plan[resnet.values[resnet.outputs[-1]].producer] == 0  # the end cut: the loss
-    assert sqrt_plan(resnet, segments=1) == [
-        0 if i in {resnet.values[v].producer for v in resnet.cut_points[-1].live} else 1
-        for i in range(len(resnet.ops))
-    ]
-    bn = drop_bn_relu_plan(resnet)
-    assert all(m == ("batch_norm" in op.target or "relu" in op.target or "pool" in op.target)
-               for m, op in zip(bn, resnet.ops))
+def test_sqrt_mirror_is_the_sqrt_planners_plan(resnet: g.Graph) -> None:
+    plan = plan_sqrt(resnet)
+    mirror = sqrt_mirror(resnet)
+    assert mirror == mirror_counts(resnet, plan)
+    kept = [i for i, m in enumerate(mirror) if m == 0]
+    assert 0 < len(kept) < len(mirror)
+    assert mirror[resnet.values[resnet.outputs[-1]].producer] == 0  # the loss: never recomputed
+    ends = {it.end for it in plan.schedule if isinstance(it, S.Region)}
+    handed_on = {resnet.values[v].producer for c in resnet.cut_points for v in c.live
+                 if c.after in {plan.stages[e].last_op for e in ends}}
+    for stage in plan.stages:  # regions: every op once, but for the checkpoints they hand on
+        for i in range(stage.first_op, stage.last_op + 1):
+            recomputed = stage.mode == "recompute" and i not in handed_on
+            assert mirror[i] == int(recomputed)
+    cheap = drop_cheap_mirror(resnet)
+    assert all(m == (not is_expensive(op.target) and bool(op.outputs))
+               for m, op in zip(cheap, resnet.ops))
 
 
 def test_describe_names_buffers(resnet: g.Graph) -> None:
-    text = plan_memory(resnet, "sharing", "sqrt").describe(resnet, limit=100)
-    assert text.startswith("sharing: 50 buffers") and text.count("\n  buffer ") == 50
+    alloc = plan_memory(resnet, "sharing", "sqrt")
+    text = alloc.describe(resnet, limit=100)
+    n = len(alloc.buffer_bytes)
+    assert n < 100 and text.startswith(f"sharing: {n} buffers") and text.count("\n  buffer ") == n
     assert "v106 (convolution net.stem.0)" in text and "'" in text  # ' marks a mirror copy
 
 
@@ -340,7 +351,7 @@ def test_bad_arguments() -> None:
         feature_map_bytes(CHAIN, plan=[0, -1, 0, 0])
     with pytest.raises(ConfigError, match="plan: expected None, one of"):
         feature_map_bytes(CHAIN, plan="fastest")
-    with pytest.raises(ConfigError, match="w_or_graph: expected a memplan Graph or Workload"):
+    with pytest.raises(ConfigError, match="model: expected a memplan Graph, a Workload"):
         feature_map_bytes("resnet")
-    with pytest.raises(ConfigError, match="segments: expected an int >= 1"):
-        sqrt_plan(CHAIN, segments=0)
+    with pytest.raises(ConfigError, match="plan: expected None, one of \\['drop-cheap'"):
+        feature_map_bytes(CHAIN, plan="drop-bn-relu")

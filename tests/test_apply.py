@@ -14,9 +14,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import memplan
-from memplan.apply import applied_state
-from memplan.graph import Graph
+from memplan.core.graph import Graph
 from memplan.models import Workload
+from memplan.runtime.apply import applied_state
 
 PLANNERS = ["sqrt", "chen", "drop-cheap", "recursive", "optimal"]
 MODELS = ["resnet", "lstm", "gpt"]
@@ -89,7 +89,7 @@ FORWARD_ONLY = ("aten.convolution.default", "aten.native_batch_norm.default",
 @pytest.mark.parametrize("planner", PLANNERS)
 def test_forward_executions_equal_mirror_counts(name: str, planner: str) -> None:
     graph, plan = _graph(name), _plan(name, planner)
-    n_model = plan.forward["ops"] if plan.forward else 0
+    n_model = plan.forward.ops if plan.forward else 0
     want: Counter[str] = Counter()
     for stage in plan.stages:
         cheap = set(stage.recompute_ops)

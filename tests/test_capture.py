@@ -8,7 +8,7 @@ from small import small
 from torch import nn
 
 import memplan
-from memplan.graph import ACTIVATION, PARAMETER, Graph
+from memplan.core.graph import ACTIVATION, PARAMETER, Graph
 
 
 def _autograd_saved_bytes(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn) -> int:

@@ -11,9 +11,10 @@ from tests.test_plan_calibration import _setup as calibration_chain
 from tests.test_plan_calibration import workload as calibration_workload
 from tests.test_planners import TINY, tiny
 
-from memplan import chain as C
-from memplan import graph as g
-from memplan.graph import Graph
+from memplan.core import chain as C
+from memplan.core import graph as g
+from memplan.core.graph import Graph
+from memplan.core.ops import is_expensive
 
 ARRAYS = ("first", "last", "f", "b", "x", "xbar", "d", "xsac", "xsac_b", "fcheap", "tf", "tf0",
           "tb", "gb")
@@ -76,7 +77,7 @@ def reference_build_chain(graph: g.Graph, cuts: list[int] | None = None) -> C.Ch
         s = int(stage_of_op[op.index])
         f[s] += op.fwd_flops
         bfl[s] += op.bwd_flops
-        if C.is_expensive(op.target):
+        if is_expensive(op.target):
             expensive_out[s].update(op.outputs)
         elif op.outputs:
             fcheap[s] += op.fwd_flops
@@ -182,7 +183,7 @@ def _graphs() -> list[tuple[str, Graph]]:
 def test_build_chain_equals_reference(index: int) -> None:
     name, graph = _graphs()[index]
     assert C.clean_cuts(graph) == reference_clean_cuts(graph), name
-    n_model = (graph.meta.get("forward") or {}).get("ops")
+    n_model = (graph.forward.ops if graph.forward else None)
     _same(C.build_chain(graph), reference_build_chain(graph), n_model)
     every = list(range(len(graph.cut_points)))  # not clean where skips cross cuts
     _same(C.build_chain(graph, every), reference_build_chain(graph, every), n_model)

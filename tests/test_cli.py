@@ -81,8 +81,8 @@ def test_plan_objective_time_predicts_a_step_time(capsys: pytest.CaptureFixture[
 
 
 def test_plan_groups_long_chains() -> None:
-    from memplan.commands import groups
-    from memplan.plan import Stage
+    from memplan.cli.plan import groups
+    from memplan.core.plan import Stage
 
     stages = tuple(Stage(i, i, i, f"m{i}", 1 if 3 <= i < 7 else 0,
                          "recompute" if 3 <= i < 7 else "keep", 10, 100) for i in range(10))
@@ -155,7 +155,7 @@ def test_plan_user_factory(spec: str, capsys: pytest.CaptureFixture[str]) -> Non
 
 
 def test_factory_batch_and_measure(capsys: pytest.CaptureFixture[str]) -> None:
-    from memplan.spec import resolve
+    from memplan.cli.spec import resolve
 
     assert resolve("factories:make_batch", batch=5).inputs[0].shape[0] == 5
     assert main(["measure", "factories:make_batch", "--batch", "4"]) == 0

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import memplan
-from memplan.apply import applied_state
+from memplan.runtime.apply import applied_state
 
 pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parents[1]

@@ -16,28 +16,29 @@ from tests.test_planners import chains, schedules
 from torch import nn
 
 import memplan
-from memplan import chain as C
-from memplan import planning
-from memplan.budget import BudgetTooSmall
-from memplan.graph import Graph
-from memplan.planners import PLANNERS
-from memplan.planners import optimal as O
-from memplan.planners.ilp import ilp_chain, solve_milp
+from memplan import api as planning
+from memplan.core import chain as C
+from memplan.core import schedule as S
+from memplan.core.graph import Graph
+from memplan.core.planners import PLANNERS
+from memplan.core.planners import optimal as O
+from memplan.core.planners.ilp import ilp_chain, solve_milp
+from memplan.errors import BudgetTooSmall
 
 # Mutation checks (dropping one term of the model) need ~1500 examples to catch the subtlest
 # one; the default keeps the suite fast. MEMPLAN_ILP_EXAMPLES=2000 for a thorough run.
 EXAMPLES = int(os.environ.get("MEMPLAN_ILP_EXAMPLES", "200"))
 
 
-def depth(items: tuple[C.Item, ...]) -> int:
+def depth(items: tuple[S.Item, ...]) -> int:
     """Nesting depth of recompute regions (the paper's largest mirror count m(v))."""
-    return max((1 + depth(it.body) for it in items if isinstance(it, C.Region)), default=0)
+    return max((1 + depth(it.body) for it in items if isinstance(it, S.Region)), default=0)
 
 
 @settings(max_examples=EXAMPLES, deadline=None)
 @given(chains(), st.data(), st.sampled_from([0, 1, 2, 4]))
 def test_milp_equals_brute_force(c: C.Chain, data: st.DataObject, max_depth: int) -> None:
-    results = [(C.simulate(c, s), depth(s)) for s in schedules(0, c.n - 1, True)]
+    results = [(S.simulate(c, s), depth(s)) for s in schedules(0, c.n - 1, True)]
     peaks = sorted({peak for (peak, _), dep in results if dep <= max_depth})
     budget = data.draw(st.sampled_from([peaks[0] - 1] + peaks), "budget")  # each threshold
     feasible = [flops for (peak, flops), dep in results if peak <= budget and dep <= max_depth]
@@ -47,7 +48,7 @@ def test_milp_equals_brute_force(c: C.Chain, data: st.DataObject, max_depth: int
         assert res.schedule is None
         return
     assert res.schedule is not None
-    peak, flops = C.simulate(c, res.schedule)
+    peak, flops = S.simulate(c, res.schedule)
     assert flops == min(feasible) and peak <= budget and depth(res.schedule) <= max_depth
     if max_depth == 4:  # chains of <= 5 stages nest at most 4 deep: the DP's whole space
         assert O.solve(c, budget - c.base_bytes, slot_bytes=1)[0] == flops
@@ -56,10 +57,10 @@ def test_milp_equals_brute_force(c: C.Chain, data: st.DataObject, max_depth: int
 @settings(max_examples=max(10, EXAMPLES // 8), deadline=None)
 @given(chains(), st.sampled_from([1, 4]))
 def test_milp_least_peak_equals_brute_force(c: C.Chain, max_depth: int) -> None:
-    least = min(C.simulate(c, s)[0] for s in schedules(0, c.n - 1, True)
+    least = min(S.simulate(c, s)[0] for s in schedules(0, c.n - 1, True)
                 if depth(s) <= max_depth)
     res = solve_milp(c, None, max_depth=max_depth, time_limit_s=60)
-    assert res.schedule is not None and C.simulate(c, res.schedule)[0] == least
+    assert res.schedule is not None and S.simulate(c, res.schedule)[0] == least
     assert res.proven and res.retries == 0
 
 
@@ -112,19 +113,19 @@ def test_unet_long_skips_make_cuts_unclean() -> None:
     assert len(g.cut_points) == 9 and C.clean_cuts(g) == [0, 6, 7, 8]
     fine = ilp_chain(g)
     assert fine.n == 9 and C.build_chain(g).n == 4
-    plain = C.simulate(fine, C.plain_schedule(fine))[0]
-    assert plain == C.simulate(C.build_chain(g), C.plain_schedule(C.build_chain(g)))[0]
-    assert plain == g.meta["peak_bytes"]
+    plain = S.simulate(fine, S.plain_schedule(fine))[0]
+    assert plain == S.simulate(C.build_chain(g), S.plain_schedule(C.build_chain(g)))[0]
+    assert plain == g.peak_bytes
 
 
 @pytest.mark.parametrize("fraction", [0.95, 0.9, 0.8, 0.7])
 def test_ilp_at_least_as_good_as_optimal_on_unet(fraction: float) -> None:
     g = unet_graph()
-    budget = int(g.meta["peak_bytes"] * fraction)
+    budget = int(g.peak_bytes * fraction)
     plan = PLANNERS["ilp"](g, budget)
     fine = ilp_chain(g)
-    C.validate(fine, plan.schedule)
-    assert C.simulate(fine, plan.schedule) == (plan.peak_bytes,
+    S.validate(fine, plan.schedule)
+    assert S.simulate(fine, plan.schedule) == (plan.peak_bytes,
                                                 plan.extra_flops + int(fine.f.sum()))
     assert plan.peak_bytes <= budget and plan.planner == "ilp"
     assert [s.last_op for s in plan.stages] == fine.last.tolist()
@@ -150,7 +151,7 @@ def test_plan_entry_point_gives_ilp_the_graph() -> None:
     model, x = unet_inputs()
     plan = planning.plan(model, x, loss_fn=_loss, budget=0.8, planner="ilp")
     assert plan.planner == "ilp" and len(plan.stages) == 9
-    assert plan.peak_bytes <= int(0.8 * unet_graph().meta["peak_bytes"])
+    assert plan.peak_bytes <= int(0.8 * unet_graph().peak_bytes)
     assert plan.forward is not None
 
 
@@ -170,8 +171,8 @@ def test_applied_ilp_plan_stays_under_its_prediction(fraction: float) -> None:
     """Run the plan with memplan.apply: skips passing through regions are counted twice by the
     chain model, so on a U-Net the real peak is at most the predicted one (here 0-11% below)."""
     g = unet_graph()
-    plan = planning.plan(g, budget=int(g.meta["peak_bytes"] * fraction), planner="ilp")
+    plan = planning.plan(g, budget=int(g.peak_bytes * fraction), planner="ilp")
     model, x = unet_inputs()
     applied = memplan.apply(model, plan)
     measured = memplan.measure(applied, x, loss_fn=_loss, simulate=False).peak_bytes
-    assert measured <= plan.peak_bytes <= int(g.meta["peak_bytes"] * fraction)
+    assert measured <= plan.peak_bytes <= int(g.peak_bytes * fraction)

@@ -17,7 +17,7 @@ from small import small
 from torch import nn
 
 import memplan
-from memplan.apply import applied_state
+from memplan.runtime.apply import applied_state
 
 ROOT = Path(__file__).resolve().parents[1]
 

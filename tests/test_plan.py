@@ -7,11 +7,11 @@ import json
 import pytest
 from tests.test_planners import tiny
 
-from memplan import chain as C
-from memplan.budget import BudgetTooSmall, parse_budget
-from memplan.errors import ConfigError, MemplanError
-from memplan.plan import Plan
-from memplan.planners import PLANNERS
+from memplan.core import chain as C
+from memplan.core.budget import budget_too_small, parse_budget
+from memplan.core.plan import Plan
+from memplan.core.planners import PLANNERS
+from memplan.errors import BudgetTooSmall, ConfigError, MemplanError
 
 
 @pytest.mark.parametrize("text,expected", [
@@ -34,8 +34,9 @@ def test_bad_budget(bad: object) -> None:
 
 
 def test_budget_too_small_message() -> None:
-    err = BudgetTooSmall(100, 12345, "optimal")
-    assert isinstance(err, MemplanError) and "12,345 B" in str(err)
+    err = budget_too_small(100, 12345, "optimal")
+    assert isinstance(err, BudgetTooSmall) and isinstance(err, MemplanError)
+    assert "12,345 B" in str(err) and err.least_peak_bytes == 12345
 
 
 def test_json_round_trip_and_schema() -> None:

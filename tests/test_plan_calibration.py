@@ -17,10 +17,12 @@ from torch.utils.checkpoint import (
 )
 
 import memplan
-from memplan import chain as C
+from memplan.core import chain as C
+from memplan.core import schedule as S
+from memplan.core.ops import is_expensive
+from memplan.core.planners import PLANNERS
 from memplan.models import Workload
-from memplan.planners import PLANNERS
-from memplan.step import as_target, run_step
+from memplan.tracing.step import as_target, run_step
 
 torch.set_num_threads(1)
 
@@ -39,25 +41,25 @@ def chain_model(n: int = 8, width: int = 8) -> nn.Sequential:
 
 
 def _policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    if C.is_expensive(str(op)):
+    if is_expensive(str(op)):
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
 class Scheduled(nn.Module):
-    """Runs the blocks of a Sequential as a chain schedule prescribes (what issue 4 applies)."""
+    """Runs the blocks of a Sequential as a chain schedule prescribes (what memplan.apply runs)."""
 
-    def __init__(self, blocks: nn.Sequential, schedule: tuple[C.Item, ...]) -> None:
+    def __init__(self, blocks: nn.Sequential, schedule: tuple[S.Item, ...]) -> None:
         super().__init__()
         self.blocks = blocks
         self.schedule = schedule
 
-    def _run(self, items: tuple[C.Item, ...], x: torch.Tensor) -> torch.Tensor:
+    def _run(self, items: tuple[S.Item, ...], x: torch.Tensor) -> torch.Tensor:
         for it in items:
-            if isinstance(it, C.Keep):
+            if isinstance(it, S.Keep):
                 if it.stage < len(self.blocks):
                     x = self.blocks[it.stage](x)
-            elif isinstance(it, C.DropCheap) and it.stage < len(self.blocks):
+            elif isinstance(it, S.DropCheap) and it.stage < len(self.blocks):
                 ctx = functools.partial(create_selective_checkpoint_contexts, _policy)
                 x = checkpoint(self.blocks[it.stage], x, use_reentrant=False, context_fn=ctx)
             else:
@@ -77,7 +79,7 @@ def _inputs(gen: torch.Generator | None) -> tuple[torch.Tensor, ...]:
     return (torch.randn(4, 3, 16, 16, generator=gen),)
 
 
-def workload(schedule: tuple[C.Item, ...] | None = None) -> Workload:
+def workload(schedule: tuple[S.Item, ...] | None = None) -> Workload:
     """A Workload (built lazily, so capture can build it on fake tensors)."""
     def build() -> nn.Module:
         model = chain_model()
@@ -86,7 +88,7 @@ def workload(schedule: tuple[C.Item, ...] | None = None) -> Workload:
     return Workload("calib", {"seed": 0}, build, _inputs, _loss)
 
 
-def measured_peak(schedule: tuple[C.Item, ...]) -> int:
+def measured_peak(schedule: tuple[S.Item, ...]) -> int:
     target = as_target(workload(schedule), (), None)
     return run_step(target, simulate=False, record=False).tracer.peak_bytes
 
@@ -96,7 +98,7 @@ def _setup() -> C.Chain:
     return C.build_chain(memplan.capture(workload()))
 
 
-K, R, D = C.Keep, C.Region, C.DropCheap
+K, R, D = S.Keep, S.Region, S.DropCheap
 SCHEDULES = {
     "plain": tuple(K(s) for s in range(9)),
     "segments": (R(0, 2, (K(0), K(1), K(2))), R(3, 5, (K(3), K(4), K(5))), K(6), K(7), K(8)),
@@ -110,7 +112,7 @@ SCHEDULES = {
 def test_predicted_peak_matches_measured(name: str) -> None:
     chain = _setup()
     assert chain.n == 9, "one stage per block plus the loss"
-    predicted, _ = C.simulate(chain, SCHEDULES[name])
+    predicted, _ = S.simulate(chain, SCHEDULES[name])
     measured = measured_peak(SCHEDULES[name])
     print(f"{name}: predicted {predicted} measured {measured} ({predicted / measured - 1:+.3%})")
     assert abs(predicted - measured) <= 0.02 * measured
@@ -120,7 +122,7 @@ def test_predicted_peak_matches_measured(name: str) -> None:
 def test_planner_plans_match_measured(planner: str) -> None:
     chain = _setup()
     least = PLANNERS["optimal"](chain, None).peak_bytes
-    plain = C.simulate(chain, C.plain_schedule(chain))[0]
+    plain = S.simulate(chain, S.plain_schedule(chain))[0]
     budget = None if planner != "optimal" else (least + plain) // 2
     plan = PLANNERS[planner](chain, budget)
     measured = measured_peak(plan.schedule)

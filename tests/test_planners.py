@@ -12,13 +12,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import memplan
-from memplan import chain as C
-from memplan import planning
-from memplan.budget import BudgetTooSmall
-from memplan.graph import Graph
-from memplan.plan import Plan
-from memplan.planners import PLANNERS, pareto
-from memplan.planners import optimal as O
+from memplan import api as planning
+from memplan.core import chain as C
+from memplan.core import schedule as S
+from memplan.core.graph import Graph
+from memplan.core.plan import Plan
+from memplan.core.planners import PLANNERS, pareto
+from memplan.core.planners import optimal as O
+from memplan.errors import BudgetTooSmall
 
 TINY = {
     "resnet": {"depth": 14, "batch": 2, "image": 32},
@@ -32,19 +33,19 @@ def tiny(name: str) -> Graph:
     return memplan.capture(memplan.models.get(name, **TINY[name]))
 
 
-def schedules(s: int, t: int, top: bool) -> Iterator[tuple[C.Item, ...]]:
+def schedules(s: int, t: int, top: bool) -> Iterator[tuple[S.Item, ...]]:
     """Every schedule tiling stages s..t (brute force)."""
     if s > t:
         yield ()
         return
     for rest in schedules(s + 1, t, top):
-        yield (C.Keep(s),) + rest
+        yield (S.Keep(s),) + rest
         if top:
-            yield (C.DropCheap(s),) + rest
+            yield (S.DropCheap(s),) + rest
     for e in range(s, t):
         for body in schedules(s, e, False):
             for rest in schedules(e + 1, t, top):
-                yield (C.Region(s, e, body),) + rest
+                yield (S.Region(s, e, body),) + rest
 
 
 @st.composite
@@ -69,12 +70,12 @@ def chains(draw: st.DrawFn) -> C.Chain:
 @settings(max_examples=150, deadline=None)
 @given(chains(), st.integers(0, 90))
 def test_optimal_equals_brute_force(c: C.Chain, budget: int) -> None:
-    results = [C.simulate(c, s) for s in schedules(0, c.n - 1, True)]
+    results = [S.simulate(c, s) for s in schedules(0, c.n - 1, True)]
     feasible = [flops for peak, flops in results if peak <= budget]
     cost, sch = O.solve(c, budget - c.base_bytes, slot_bytes=1)
     assert cost == (min(feasible) if feasible else np.inf)
     if sch is not None:
-        peak, flops = C.simulate(c, sch)
+        peak, flops = S.simulate(c, sch)
         assert peak <= budget and flops == cost
 
 
@@ -82,16 +83,16 @@ def test_optimal_equals_brute_force(c: C.Chain, budget: int) -> None:
 def test_plain_model_equals_trace(name: str) -> None:
     g = tiny(name)
     chain = C.build_chain(g)
-    peak, flops = C.simulate(chain, C.plain_schedule(chain))
-    assert peak == g.meta["peak_bytes"] and flops == g.fwd_flops
+    peak, flops = S.simulate(chain, S.plain_schedule(chain))
+    assert peak == g.peak_bytes and flops == g.fwd_flops
 
 
 def _check_valid(plan: Plan, chain: C.Chain) -> None:
-    C.validate(chain, plan.schedule)
+    S.validate(chain, plan.schedule)
     assert [s.index for s in plan.stages] == list(range(chain.n))
     assert plan.stages[0].first_op == 0
     assert all(a.last_op + 1 == b.first_op for a, b in zip(plan.stages, plan.stages[1:]))
-    assert C.simulate(chain, plan.schedule) == (plan.peak_bytes,
+    assert S.simulate(chain, plan.schedule) == (plan.peak_bytes,
                                                  plan.extra_flops + int(chain.f.sum()))
     assert plan.extra_flops >= 0 and plan.peak_bytes <= plan.plain_peak_bytes + int(chain.x.max())
     assert plan.graph_fingerprint == chain.fingerprint
@@ -135,7 +136,7 @@ def test_pareto_is_a_frontier() -> None:
 def test_plan_entry_point() -> None:
     g = tiny("gpt")  # tiny models are parameter-bound: the least peak is 0.88 of plain
     plan = planning.plan(g, budget=0.95)
-    assert plan.peak_bytes <= g.meta["peak_bytes"] * 0.95 and plan.planner == "optimal"
+    assert plan.peak_bytes <= g.peak_bytes * 0.95 and plan.planner == "optimal"
     assert planning.plan(g, budget=0.95, planner="sqrt").planner == "sqrt"
     with pytest.raises(BudgetTooSmall):
         planning.plan(g, budget=1000)
