@@ -17,8 +17,8 @@ from memplan.core.budget import parse_budget
 from memplan.core.plan import Plan
 from memplan.core.planners import PLANNERS
 from memplan.core.planners.ilp import ilp_chain
-from memplan.core.static.allocation import Allocation, allocate, check_strategy, resolve_plan
-from memplan.core.static.training_graph import training_graph
+from memplan.core.static import allocation
+from memplan.core.static.allocation import Allocation, check_strategy
 from memplan.errors import ConfigError, bad_arg
 from memplan.models import Workload
 from memplan.tracing.capture import capture
@@ -102,9 +102,8 @@ def plan_memory(w_or_graph: Any, strategy: str = "sharing",
     """The static allocation (paper Sec. 3, Fig. 2) of a Workload's or Graph's training step
     under a mirror plan: None (keep everything), 'drop-cheap', 'sqrt', a Plan of
     ``memplan.plan``, or m(v) per forward op."""
-    check_strategy(strategy)
-    graph = as_graph(w_or_graph)
-    return allocate(training_graph(graph, resolve_plan(graph, plan)), strategy)
+    check_strategy(strategy)  # before the capture
+    return allocation.plan_memory(as_graph(w_or_graph), strategy, plan)
 
 
 def feature_map_bytes(w_or_graph: Any, strategy: str = "sharing",

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from memplan.core import graph as g
 from memplan.core.plan import Plan
 from memplan.core.static import mirror_plans
-from memplan.core.static.training_graph import TrainingGraph
+from memplan.core.static.training_graph import TrainingGraph, training_graph
 from memplan.errors import bad_arg
 
 STRATEGIES = ("none", "inplace", "sharing")
@@ -164,3 +164,17 @@ def resolve_plan(graph: g.Graph, plan: str | Plan | Sequence[int] | None) -> lis
         raise bad_arg("plan", f"None, one of {list(PLANS)} or a list of ints per forward op",
                       plan, "Pass plan='sqrt' or a mirror list such as [0] * len(graph.ops).")
     return list(plan)
+
+
+def plan_memory(graph: g.Graph, strategy: str = "sharing",
+                plan: str | Plan | Sequence[int] | None = None) -> Allocation:
+    """The static allocation of ``graph``'s training step under a mirror plan (``resolve_plan``);
+    ``memplan.plan_memory`` is the front door that also takes a Workload."""
+    check_strategy(strategy)
+    return allocate(training_graph(graph, resolve_plan(graph, plan)), strategy)
+
+
+def feature_map_bytes(graph: g.Graph, strategy: str = "sharing",
+                      plan: str | Plan | Sequence[int] | None = None) -> int:
+    """The paper's feature-map memory (Fig. 5a, 6a): bytes of all buffers of the static plan."""
+    return plan_memory(graph, strategy, plan).total_bytes

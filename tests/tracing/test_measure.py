@@ -2,10 +2,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from small import small
 from torch import nn
 
 import memplan
+from tests.small import small
 
 
 @pytest.mark.parametrize("name", ["resnet", "lstm", "gpt"])

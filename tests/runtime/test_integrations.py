@@ -13,13 +13,13 @@ from typing import Any
 
 import pytest
 import torch
-from small import small
 from torch import nn
 
 import memplan
 from memplan.runtime.apply import applied_state
+from tests.small import small
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _step(model: Any, x: tuple[Any, ...], loss_fn: Any, seed: int = 1) -> list[Any]:

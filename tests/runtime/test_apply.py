@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 import torch
-from small import small
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -17,6 +16,7 @@ import memplan
 from memplan.core.graph import Graph
 from memplan.models import Workload
 from memplan.runtime.apply import applied_state
+from tests.small import small
 
 PLANNERS = ["sqrt", "chen", "drop-cheap", "recursive", "optimal"]
 MODELS = ["resnet", "lstm", "gpt"]

@@ -4,10 +4,10 @@ import csv
 from pathlib import Path
 
 import pytest
-from small import SMALL
 
 import memplan
 from memplan.cli import main
+from tests.small import SMALL
 
 
 def _spec(name: str) -> str:
@@ -148,7 +148,7 @@ def test_explain_bad_files_exit_2(content: str | None, needle: str, tmp_path: Pa
 
 # --- user factories --------------------------------------------------------------------------
 
-@pytest.mark.parametrize("spec", ["factories:make", "factories:make_with_loss"])
+@pytest.mark.parametrize("spec", ["tests.factories:make", "tests.factories:make_with_loss"])
 def test_plan_user_factory(spec: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", spec, "--planner", "sqrt"]) == 0
     assert f"{spec}: plan 'sqrt'" in capsys.readouterr().out
@@ -157,19 +157,19 @@ def test_plan_user_factory(spec: str, capsys: pytest.CaptureFixture[str]) -> Non
 def test_factory_batch_and_measure(capsys: pytest.CaptureFixture[str]) -> None:
     from memplan.cli.spec import resolve
 
-    assert resolve("factories:make_batch", batch=5).inputs[0].shape[0] == 5
-    assert main(["measure", "factories:make_batch", "--batch", "4"]) == 0
+    assert resolve("tests.factories:make_batch", batch=5).inputs[0].shape[0] == 5
+    assert main(["measure", "tests.factories:make_batch", "--batch", "4"]) == 0
     assert "peak" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("argv, needle", [
     (["nonexistent_memplan_mod:make"], "No module named"),
-    (["factories:nope"], "has no 'nope'"),
-    (["factories:NOT_CALLABLE"], "a callable"),
-    (["factories:wrong_return"], "(model, example_inputs)"),
-    (["factories:not_a_model"], "torch.nn.Module"),
-    (["factories:raises"], "no weights here"),
-    (["factories:make", "--batch", "4"], "batch"),
+    (["tests.factories:nope"], "has no 'nope'"),
+    (["tests.factories:NOT_CALLABLE"], "a callable"),
+    (["tests.factories:wrong_return"], "(model, example_inputs)"),
+    (["tests.factories:not_a_model"], "torch.nn.Module"),
+    (["tests.factories:raises"], "no weights here"),
+    (["tests.factories:make", "--batch", "4"], "batch"),
     (["resnet:depth=14", "--batch", "0"], "--batch"),
 ])
 def test_bad_factories_exit_2(argv: list[str], needle: str,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import itertools
 from collections.abc import Iterator
 
@@ -11,26 +10,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import memplan
-from memplan import api as planning
 from memplan.core import chain as C
 from memplan.core import schedule as S
-from memplan.core.graph import Graph
 from memplan.core.plan import Plan
 from memplan.core.planners import PLANNERS, pareto
 from memplan.core.planners import optimal as O
 from memplan.errors import BudgetTooSmall
-
-TINY = {
-    "resnet": {"depth": 14, "batch": 2, "image": 32},
-    "lstm": {"steps": 4, "batch": 2, "hidden": 32, "input": 8, "classes": 10},
-    "gpt": {"layers": 2, "d_model": 32, "heads": 2, "seq_len": 16, "vocab": 100, "batch": 2},
-}
-
-
-@functools.cache
-def tiny(name: str) -> Graph:
-    return memplan.capture(memplan.models.get(name, **TINY[name]))
+from tests.core.graphs import TINY, tiny
 
 
 def schedules(s: int, t: int, top: bool) -> Iterator[tuple[S.Item, ...]]:
@@ -131,16 +117,3 @@ def test_pareto_is_a_frontier() -> None:
     assert len(front) >= 2
     for a, b in itertools.pairwise(front):
         assert a.peak_bytes <= b.peak_bytes and a.extra_flops > b.extra_flops
-
-
-def test_plan_entry_point() -> None:
-    g = tiny("gpt")  # tiny models are parameter-bound: the least peak is 0.88 of plain
-    plan = planning.plan(g, budget=0.95)
-    assert plan.peak_bytes <= g.peak_bytes * 0.95 and plan.planner == "optimal"
-    assert planning.plan(g, budget=0.95, planner="sqrt").planner == "sqrt"
-    with pytest.raises(BudgetTooSmall):
-        planning.plan(g, budget=1000)
-    with pytest.raises(memplan.MemplanError, match="Graph cannot be run"):
-        planning.plan(g, budget=0.95, objective="time")  # times are measured on a model
-    with pytest.raises(memplan.ConfigError, match="planner"):
-        planning.plan(g, budget=0.95, planner="nope")

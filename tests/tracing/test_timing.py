@@ -6,7 +6,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from tests.small import small
 from torch import nn
 
 import memplan
@@ -16,6 +15,7 @@ from memplan.core import schedule as S
 from memplan.core.plan import make_plan
 from memplan.core.planners import PLANNERS
 from memplan.tracing import timing
+from tests.small import small
 
 
 def test_stage_times_follow_the_captured_ops() -> None:

@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 
 import pytest
-from tests.test_planners import tiny
 
 from memplan.core import chain as C
 from memplan.core.budget import budget_too_small, parse_budget
 from memplan.core.plan import Plan
 from memplan.core.planners import PLANNERS
 from memplan.errors import BudgetTooSmall, ConfigError, MemplanError
+from tests.core.graphs import tiny
 
 
 @pytest.mark.parametrize("text,expected", [

@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 import torch.distributed as dist
-from test_integrations import run_example
+
+from tests.runtime.test_integrations import run_example
 
 pytestmark = pytest.mark.skipif(
     not dist.is_available() or not dist.is_gloo_available(),

@@ -21,12 +21,13 @@ import memplan
 from memplan.runtime.apply import applied_state
 
 pytest.importorskip("transformers")
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))
 
 from hf_loop import MARGIN
 from hf_models import batch, build, hf_loss, positional
-from test_integrations import run_example
+
+from tests.runtime.test_integrations import run_example
 
 
 def _step(model: Any, data: dict[str, torch.Tensor], seed: int) -> list[Any]:

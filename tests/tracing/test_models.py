@@ -2,10 +2,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from small import small
 
 import memplan
 from memplan.models.resnet import units_for_depth
+from tests.small import small
 
 
 def test_resnet_depth_layout_follows_memonger() -> None:

@@ -6,15 +6,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from tests.test_ilp import unet_graph
-from tests.test_plan_calibration import _setup as calibration_chain
-from tests.test_plan_calibration import workload as calibration_workload
-from tests.test_planners import TINY, tiny
 
 from memplan.core import chain as C
 from memplan.core import graph as g
-from memplan.core.graph import Graph
 from memplan.core.ops import is_expensive
+from tests.core.graphs import NAMES, tiny
 
 ARRAYS = ("first", "last", "f", "b", "x", "xbar", "d", "xsac", "xsac_b", "fcheap", "tf", "tf0",
           "tb", "gb")
@@ -172,16 +168,9 @@ def _same(a: C.Chain, b: C.Chain, n_model: int | None = None) -> None:
         assert getattr(a, name) == getattr(b, name), name
 
 
-def _graphs() -> list[tuple[str, Graph]]:
-    import memplan
-
-    out = [(name, tiny(name)) for name in sorted(TINY)]
-    return out + [("unet", unet_graph()), ("calibration", memplan.capture(calibration_workload()))]
-
-
-@pytest.mark.parametrize("index", range(len(TINY) + 2))
-def test_build_chain_equals_reference(index: int) -> None:
-    name, graph = _graphs()[index]
+@pytest.mark.parametrize("name", NAMES)
+def test_build_chain_equals_reference(name: str) -> None:
+    graph = tiny(name)
     assert C.clean_cuts(graph) == reference_clean_cuts(graph), name
     n_model = (graph.forward.ops if graph.forward else None)
     _same(C.build_chain(graph), reference_build_chain(graph), n_model)
@@ -195,4 +184,4 @@ def test_graph_arrays_are_cached_per_graph() -> None:
     graph = tiny("lstm")
     assert C.graph_arrays(graph) is C.graph_arrays(graph)
     assert C.graph_arrays(graph).timeline.tolist() == graph.live_bytes_timeline()
-    assert calibration_chain().n == 9
+    assert C.build_chain(tiny("calibration")).n == 9

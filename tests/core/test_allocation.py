@@ -9,15 +9,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from memplan.api import feature_map_bytes, plan_memory
 from memplan.core import graph as g
 from memplan.core import schedule as S
 from memplan.core.ops import is_expensive
 from memplan.core.planners.sqrt import plan_sqrt
-from memplan.core.static.allocation import Allocation, allocate
+from memplan.core.static.allocation import Allocation, allocate, feature_map_bytes, plan_memory
 from memplan.core.static.mirror_plans import drop_cheap_mirror, mirror_counts, sqrt_mirror
 from memplan.core.static.training_graph import Step, TrainingGraph, training_graph
 from memplan.errors import ConfigError
+from tests.core.graphs import tiny
 
 STRATEGIES = ("none", "inplace", "sharing")
 
@@ -263,24 +263,12 @@ def test_random_mirror_graphs(case: tuple[g.Graph, list[int]]) -> None:
 
 @pytest.fixture(scope="module")
 def resnet() -> g.Graph:
-    import torch
-
-    import memplan
-
-    torch.set_num_threads(1)
-    return memplan.capture(memplan.models.get("resnet", depth=14, batch=2, image=32))
+    return tiny("resnet")
 
 
 @pytest.fixture(scope="module")
 def lstm() -> g.Graph:
-    import torch
-
-    import memplan
-
-    torch.set_num_threads(1)
-    return memplan.capture(
-        memplan.models.get("lstm", steps=4, batch=2, hidden=32, input=8, classes=10)
-    )
+    return tiny("lstm")
 
 
 def test_minimum_dependencies(resnet: g.Graph) -> None:
@@ -351,7 +339,5 @@ def test_bad_arguments() -> None:
         feature_map_bytes(CHAIN, plan=[0, -1, 0, 0])
     with pytest.raises(ConfigError, match="plan: expected None, one of"):
         feature_map_bytes(CHAIN, plan="fastest")
-    with pytest.raises(ConfigError, match="model: expected a memplan Graph, a Workload"):
-        feature_map_bytes("resnet")
     with pytest.raises(ConfigError, match="plan: expected None, one of \\['drop-cheap'"):
         feature_map_bytes(CHAIN, plan="drop-bn-relu")

@@ -4,11 +4,11 @@ import json
 
 import pytest
 import torch
-from small import small
 from torch import nn
 
 import memplan
 from memplan.core.graph import ACTIVATION, PARAMETER, Graph
+from tests.small import small
 
 
 def _autograd_saved_bytes(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn) -> int:
