@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rich.console import Console
 from rich.table import Table
 
 from memplan.cli.common import wide_console
@@ -49,7 +50,23 @@ def run(args: argparse.Namespace) -> int:
     with console.status(f"capturing and planning in {args.jobs} worker process(es) ..."):
         res = run_tasks(args.jobs, quick)
 
-    r = res["resnet"]
+    _resnet_table(console, res["resnet"], rbase)
+    _lstm_table(console, res["lstm"], lbase, steps)
+    real = res["real"]
+    mark = {True: "[green]OK[/green]", False: "[red]FAILED[/red]", None: "skipped"}[real["ok"]]
+    console.print(f"[bold]Real CPU step[/bold] ({mark}): {real['summary']}", markup=True)
+    png = plot(res["resnet"]["sweep"], Path(args.out))
+    console.print(f"\nPlot of ResNet memory vs depth: {png}")
+    console.print("Full reproduction of the paper's Fig. 5-7 (ours beside the paper's "
+                  "numbers): memplan reproduce -> out/reproduce/; sweeps with peers: "
+                  "memplan bench resnet --peers -> out/bench/")
+    console.print("worker seconds: " + ", ".join(f"{k} {v['seconds']:.0f} s"
+                                                 for k, v in res.items()))
+    console.print(f"\ndemo finished in {time.perf_counter() - start:.1f} s")
+    return 0
+
+
+def _resnet_table(console: Console, r: dict[str, Any], rbase: dict[str, Any]) -> None:
     top = r["sweep"][-1]
     table = _table(f"ResNet-{top['depth']} (batch {rbase.get('batch', 32)}, "
                    f"{rbase.get('image', 224)}x{rbase.get('image', 224)}): one training step")
@@ -74,7 +91,9 @@ def run(args: argparse.Namespace) -> int:
     console.print("  paper (abstract, Sec. 5.2; MXNet on a Titan X): 48 GB -> 7 GB at 1000 "
                   "layers, ~30% more time per batch (Sec. 5.4)\n")
 
-    lstm = res["lstm"]
+
+def _lstm_table(console: Console, lstm: dict[str, Any], lbase: dict[str, Any],
+                steps: int) -> None:
     table = _table(f"LSTM unrolled over {steps} steps (4 x {lbase.get('hidden', 1024)}, batch "
                    f"{lbase.get('batch', 64)}): one training step")
     _row(table, "plain PyTorch", lstm["plain"], lstm["plain"], 0.0, "tracker")
@@ -86,19 +105,6 @@ def run(args: argparse.Namespace) -> int:
     console.print("  paper (Sec. 5.3, Fig. 6): the sublinear plan needs more than 4x less "
                   "than the best plan without recomputation")
     console.print("  torch's checkpointing on the LSTM, measured: memplan bench lstm --peers\n")
-
-    real = res["real"]
-    mark = {True: "[green]OK[/green]", False: "[red]FAILED[/red]", None: "skipped"}[real["ok"]]
-    console.print(f"[bold]Real CPU step[/bold] ({mark}): {real['summary']}", markup=True)
-    png = plot(r["sweep"], Path(args.out))
-    console.print(f"\nPlot of ResNet memory vs depth: {png}")
-    console.print("Full reproduction of the paper's Fig. 5-7 (ours beside the paper's "
-                  "numbers): memplan reproduce -> out/reproduce/; sweeps with peers: "
-                  "memplan bench resnet --peers -> out/bench/")
-    console.print("worker seconds: " + ", ".join(f"{k} {v['seconds']:.0f} s"
-                                                 for k, v in res.items()))
-    console.print(f"\ndemo finished in {time.perf_counter() - start:.1f} s")
-    return 0
 
 
 def _table(title: str) -> Table:

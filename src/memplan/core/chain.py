@@ -206,18 +206,60 @@ def build_chain(graph: g.Graph, cuts: list[int] | None = None) -> Chain:
     """The chain over the given cut-point indices (default: all clean cuts)."""
     ga = graph_arrays(graph)
     cut_idx = np.array(clean_cuts(graph) if cuts is None else list(cuts), dtype=np.int64)
-    n_ops, nbytes, nv = ga.n_ops, ga.nbytes, len(ga.nbytes)
-    n_events = len(ga.timeline)
+    st = _stages(ga, cut_idx)
+    x, xbar, d, xsac, xsac_b = _stage_bytes(graph, ga, st, cut_idx)
+    f, b, fcheap, cheap = _stage_flops(ga, st)
+    tf, tf0, tfr, tfr0, tfs = _forward_transients(ga, st)
+    tb, gb = _backward_transients(ga, st, xbar, d)
+    # Stages wholly after the model's forward (the loss) run outside the model, where the
+    # runtime cannot recompute: make recomputing them cost more than any plain step.
+    n_model = graph.forward.ops if graph.forward else None
+    if n_model is not None and bool((st.firsts >= n_model).any()):
+        outside = st.firsts >= n_model
+        big = int(ga.base_bytes + xbar.sum() + tf.max() + tb.max() + np.abs(gb).max()) + 1
+        xsac, xsac_b, tf0, tfr0, tfs = (np.where(outside, big, a)
+                                         for a in (xsac, xsac_b, tf0, tfr0, tfs))
+    return Chain(
+        fingerprint=ga.fingerprint, first=st.firsts, last=st.afters.copy(),
+        modules=tuple(graph.cut_points[int(i)].module for i in cut_idx), f=f, b=b, x=x,
+        xbar=xbar, d=d, xsac=xsac, xsac_b=xsac_b, fcheap=fcheap, tf=tf, tf0=tf0, tb=tb, gb=gb,
+        base_bytes=ga.base_bytes, step_flops=ga.step_flops, cheap_ops=cheap, tfr=tfr,
+        tfr0=tfr0, tfs=tfs,
+    )
+
+
+@dataclass(frozen=True)
+class _Stages:
+    """Which stage each op and each activation belongs to."""
+
+    k: int
+    firsts: I64  # first op of each stage
+    afters: I64  # last op of each stage (its cut)
+    span: int  # ops up to the last cut
+    stage_of_op: I64  # ops after the last cut: stage 0
+    made: npt.NDArray[np.bool_]  # values made by a forward op (activations)
+    v_stage: I64  # the stage that made each value (0 for others)
+    retained: npt.NDArray[np.bool_]  # kept for backward (or alive after the step)
+
+
+def _stages(ga: GraphArrays, cut_idx: I64) -> _Stages:
     afters = ga.cut_after[cut_idx]
     k = len(afters)
     firsts = np.concatenate(([0], afters[:-1] + 1))
-    stage_of_op = np.zeros(n_ops, dtype=np.int64)  # ops after the last cut: stage 0
+    stage_of_op = np.zeros(ga.n_ops, dtype=np.int64)
     span = int(afters[-1]) + 1
     stage_of_op[:span] = np.repeat(np.arange(k), afters - firsts + 1)
-    retained = ga.death >= n_ops  # kept for backward (or alive after the step)
     made = ga.activation & (ga.producer >= 0)
     v_stage = stage_of_op[np.where(made, ga.producer, 0)]
-    kept = _exact_sum(v_stage, nbytes, made & retained, k)
+    return _Stages(k, firsts, afters, span, stage_of_op, made, v_stage, ga.death >= ga.n_ops)
+
+
+def _stage_bytes(graph: g.Graph, ga: GraphArrays, st: _Stages, cut_idx: I64
+                 ) -> tuple[I64, I64, I64, I64, I64]:
+    """x (a checkpoint's bytes), xbar (what a plain run keeps), d (the part of x nobody
+    saves), xsac and xsac_b (what a drop-cheap stage keeps, and holds at its backward)."""
+    nbytes, nv, k, retained = ga.nbytes, len(ga.nbytes), st.k, st.retained
+    kept = _exact_sum(st.v_stage, nbytes, st.made & retained, k)
     # Cut live sets: x_kept, and which expensive outputs each stage's cut carries.
     cut_of, live = _flat([graph.cut_points[int(i)] for i in cut_idx], "live")
     pairs = np.unique(cut_of * nv + live)
@@ -225,18 +267,22 @@ def build_chain(graph: g.Graph, cuts: list[int] | None = None) -> Chain:
     x = ga.cut_bytes[cut_idx]
     x_kept = _exact_sum(cut_of, nbytes[live], retained[live], k)
     exp = ga.expensive[ga.out_op]
-    ex_pairs = np.unique(stage_of_op[ga.out_op[exp]] * nv + ga.out_vid[exp])
+    ex_pairs = np.unique(st.stage_of_op[ga.out_op[exp]] * nv + ga.out_vid[exp])
     ex_pairs = ex_pairs[~np.isin(ex_pairs, pairs)]
     ex_stage, ex_vid = ex_pairs // nv, ex_pairs % nv
     exp_kept = _exact_sum(ex_stage, nbytes[ex_vid], retained[ex_vid], k)
     not_kept_exp = _exact_sum(ex_stage, nbytes[ex_vid], ~retained[ex_vid], k)
-    xsac = x + exp_kept + not_kept_exp
-    xsac_b = kept + (x - x_kept) + not_kept_exp
-    xbar = kept + (x - x_kept)
     d = x - x_kept
-    ops_all = np.ones(n_ops, dtype=np.bool_)
+    return x, kept + d, d, x + exp_kept + not_kept_exp, kept + d + not_kept_exp
+
+
+def _stage_flops(ga: GraphArrays, st: _Stages
+                 ) -> tuple[I64, I64, I64, tuple[tuple[int, ...], ...]]:
+    """Forward and backward FLOPs per stage, the FLOPs drop-cheap recomputes, and its ops."""
+    k, stage_of_op = st.k, st.stage_of_op
+    ops_all = np.ones(ga.n_ops, dtype=np.bool_)
     f = _exact_sum(stage_of_op, ga.fwd_flops, ops_all, k)
-    bfl = _exact_sum(stage_of_op, ga.bwd_flops, ops_all, k)
+    b = _exact_sum(stage_of_op, ga.bwd_flops, ops_all, k)
     cheap_mask = ~ga.expensive & ga.has_outputs
     fcheap = _exact_sum(stage_of_op, ga.fwd_flops, cheap_mask, k)
     cheap_idx = np.nonzero(cheap_mask)[0]
@@ -244,41 +290,47 @@ def build_chain(graph: g.Graph, cuts: list[int] | None = None) -> Chain:
     order = np.argsort(cheap_stage, kind="stable")
     bounds = np.cumsum(np.bincount(cheap_stage, minlength=k))[:-1]
     cheap = tuple(tuple(p.tolist()) for p in np.split(cheap_idx[order], bounds))
-    # Forward transients: plain, from the trace; with nothing saved, from the spans
-    # birth .. death (or last forward use when kept) of the values each stage makes.
-    tl, died = ga.timeline, ga.died
-    lo = firsts
-    start = np.where(lo > 0, tl[np.maximum(lo - 1, 0)] - died[np.maximum(lo - 1, 0)],
+    return f, b, fcheap, cheap
+
+
+def _forward_transients(ga: GraphArrays, st: _Stages) -> tuple[I64, I64, I64, I64, I64]:
+    """Peaks above a stage's start: tf (plain, from the trace), tf0 (nothing saved: spans
+    birth .. death, or last forward use when kept), and the runtime's replays (``replay``):
+    tfr (a kept stage replayed: saved values stay), tfr0 (a nested region's ops replayed:
+    each value lives to its last use), tfs (a drop-cheap stage's first forward: expensive
+    outputs kept, the rest die as in the plain run)."""
+    tl, died, firsts, span = ga.timeline, ga.died, st.firsts, st.span
+    start = np.where(firsts > 0, tl[np.maximum(firsts - 1, 0)] - died[np.maximum(firsts - 1, 0)],
                      tl[0] - ga.born0)
     tf = np.maximum.reduceat(tl[:span], firsts) - start
-    end = np.where(retained, np.where(ga.last_fwd_use >= 0, ga.last_fwd_use, ga.birth), ga.death)
+    end = np.where(st.retained, np.where(ga.last_fwd_use >= 0, ga.last_fwd_use, ga.birth),
+                   ga.death)
     end = np.maximum(end, ga.birth)
-    b0 = np.maximum(ga.birth, firsts[v_stage])[made]
-    e0 = np.minimum(end, afters[v_stage])[made] + 1
-    delta = np.zeros(n_ops + 2, dtype=np.int64)
-    np.add.at(delta, b0, nbytes[made])
-    np.subtract.at(delta, e0, nbytes[made])
-    tf0 = np.maximum.reduceat(np.cumsum(delta)[:span], firsts)
-    # Replays (runtime.materialise): each value lives to its last use in the replayed range;
-    # a kept stage's saved values stay. A drop-cheap stage's first forward keeps its
-    # expensive ops' outputs; the rest die as in the plain run (saved ones at last use).
     last_use = np.maximum(np.where(ga.last_fwd_use >= 0, ga.last_fwd_use, ga.birth), ga.birth)
-    exp_value = np.zeros(nv, dtype=np.bool_)
-    exp_value[ga.out_vid[exp]] = True
-    stage_end = afters[v_stage]
-    tfr, tfr0, tfs = (
-        _stage_peaks(ga.birth, end_, made, nbytes, firsts, afters, v_stage, span, n_ops)
-        for end_ in (np.where(retained, stage_end, last_use), last_use,
+    exp_value = np.zeros(len(ga.nbytes), dtype=np.bool_)
+    exp_value[ga.out_vid[ga.expensive[ga.out_op]]] = True
+    stage_end = st.afters[st.v_stage]
+    tf0, tfr, tfr0, tfs = (
+        _stage_peaks(ga.birth, end_, st.made, ga.nbytes, firsts, st.afters, st.v_stage, span,
+                     ga.n_ops)
+        for end_ in (end, np.where(st.retained, stage_end, last_use), last_use,
                      np.where(exp_value, stage_end, end)))
-    # Backward: group backward ops by the stage whose gradient they compute.
+    return tf, tf0, tfr, tfr0, tfs
+
+
+def _backward_transients(ga: GraphArrays, st: _Stages, xbar: I64, d: I64) -> tuple[I64, I64]:
+    """tb: the peak of a stage's backward above the live bytes when it starts; gb: the
+    gradient-side bytes (parameter grads so far, incoming grads) at its start. Backward ops
+    are grouped by the stage whose gradient they compute."""
+    k, n_ops, tl, died = st.k, ga.n_ops, ga.timeline, ga.died
     go = ga.grad_of
-    bstage = np.minimum.accumulate(np.where(go >= 0, stage_of_op[np.maximum(go, 0)], k - 1))
+    bstage = np.minimum.accumulate(np.where(go >= 0, st.stage_of_op[np.maximum(go, 0)], k - 1))
     neg = -bstage
     s_all = -np.arange(k)
     b_start = np.searchsorted(neg, s_all, side="left")
     b_end = np.searchsorted(neg, s_all, side="right")
     has = b_end > b_start
-    e0b = np.where(has, n_ops + b_start, np.minimum(n_ops + b_end, n_events))
+    e0b = np.where(has, n_ops + b_start, np.minimum(n_ops + b_end, len(tl)))
     lb_pre = tl[e0b - 1] - died[e0b - 1]
     tb = np.zeros(k, dtype=np.int64)
     if has.any():
@@ -289,22 +341,7 @@ def build_chain(graph: g.Graph, cuts: list[int] | None = None) -> Chain:
         tb_has[order_s] = seg_max
         tb[has] = tb_has - lb_pre[has]
     resident = np.cumsum(xbar - np.concatenate(([0], d[:-1])))
-    gb = lb_pre - ga.base_bytes - resident
-    # Stages wholly after the model's forward (the loss) run outside the model, where the
-    # runtime cannot recompute: make recomputing them cost more than any plain step.
-    n_model = (graph.forward.ops if graph.forward else None)
-    if n_model is not None and bool((firsts >= n_model).any()):
-        outside = firsts >= n_model
-        big = int(ga.base_bytes + xbar.sum() + tf.max() + tb.max() + np.abs(gb).max()) + 1
-        xsac, xsac_b, tf0, tfr0, tfs = (np.where(outside, big, a)
-                                         for a in (xsac, xsac_b, tf0, tfr0, tfs))
-    return Chain(
-        fingerprint=ga.fingerprint, first=firsts, last=afters.copy(),
-        modules=tuple(graph.cut_points[int(i)].module for i in cut_idx), f=f, b=bfl, x=x,
-        xbar=xbar, d=d, xsac=xsac, xsac_b=xsac_b, fcheap=fcheap, tf=tf, tf0=tf0, tb=tb, gb=gb,
-        base_bytes=ga.base_bytes, step_flops=ga.step_flops, cheap_ops=cheap, tfr=tfr,
-        tfr0=tfr0, tfs=tfs,
-    )
+    return tb, lb_pre - ga.base_bytes - resident
 
 
 def _stage_peaks(birth: I64, end: I64, made: npt.NDArray[np.bool_], nbytes: I64, firsts: I64,

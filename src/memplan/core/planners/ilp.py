@@ -40,8 +40,6 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
-from scipy.sparse import coo_array
 
 from memplan.core import chain as C
 from memplan.core import graph as g
@@ -269,6 +267,10 @@ def solve_milp(c: C.Chain, budget_bytes: int | None, max_depth: int = 2,
     """The cheapest schedule (regions nested at most ``max_depth`` deep) whose simulated peak
     fits ``budget_bytes``; with None, the least peak. Every returned schedule is checked with
     ``simulate``; one over budget by solver tolerance is solved again with a tighter budget."""
+    # scipy (HiGHS) loads only when a MILP is solved: importing the planners stays fast
+    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.sparse import coo_array
+
     depth = max(0, min(max_depth, c.n - 1))
     cost = (c.f if cost is None else np.asarray(cost)).astype(np.float64)
     deadline = time.perf_counter() + time_limit_s
