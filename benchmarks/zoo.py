@@ -20,9 +20,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.zoo import ZOO  # noqa: E402
-from tests.zoo.check import Row  # noqa: E402
-from tests.zoo.runner import COLUMNS, run_many  # noqa: E402
+from tests.zoo import ZOO
+from tests.zoo.check import Row
+from tests.zoo.runner import COLUMNS, run_many
 
 
 def mib(n: int) -> str:
@@ -32,10 +32,10 @@ def mib(n: int) -> str:
 def markdown(rows: list[Row], planner: str) -> str:
     passed = sum(r.status == "pass" for r in rows)
     lines = [f"# memplan zoo, planner `{planner}`, budget = half the activation memory", "",
-             f"{passed} / {len(rows)} pass. Peaks in MiB, measured by memplan's real CPU "
-             "tracker; predicted = the plan's peak.", "",
-             "| model | library | plain peak | planned peak | predicted peak | budget | "
-             "extra FLOPs | status | detail |",
+             (f"{passed} / {len(rows)} pass. Peaks in MiB, measured by memplan's real CPU "
+              "tracker; predicted = the plan's peak."), "",
+             ("| model | library | plain peak | planned peak | predicted peak | budget | "
+              "extra FLOPs | status | detail |"),
              "|---|---|---:|---:|---:|---:|---:|---|---|"]
     for r in rows:
         status = "pass" if r.status == "pass" else r.failure
@@ -62,9 +62,9 @@ def over_prediction(rows: list[Row]) -> list[float]:
 def llama_figures() -> None:
     """Issue 11's must-show: an 8-layer HF Llama (hidden 512, seq 512, batch 2)."""
     import torch
+    from tests.zoo.transformers_zoo import GQA, _build, model_loss, positional
 
     import memplan
-    from tests.zoo.transformers_zoo import GQA, _build, model_loss, positional
 
     torch.set_num_threads(1)
     config = {**GQA, "hidden_size": 512, "intermediate_size": 1376, "num_hidden_layers": 8,

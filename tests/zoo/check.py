@@ -22,6 +22,7 @@ import copy
 import faulthandler
 import json
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -78,16 +79,25 @@ def check(name: str, planner: str = "optimal", seed: int = 0,
     if not installed(entry.library):
         row.status, row.failure = "skipped", f"skipped: library {entry.library} not installed"
         return row
+    return run_build(entry.build, row, seed, phase)
+
+
+def run_build(build: Callable[[int], Any], row: Row, seed: int = 0,
+              phase: Callable[[str], None] = lambda _: None) -> Row:
+    """``evaluate`` with every exception classified into ``row``; returns ``row``."""
     t0 = time.perf_counter()
     try:
-        _run(entry.build, row, seed, phase)
+        evaluate(build, row, seed, phase)
     except Exception as exc:  # noqa: BLE001 -- classified, not hidden
         row.failure, row.detail = classify(row.phase, exc)
     row.total_s = time.perf_counter() - t0
     return row
 
 
-def _run(build: Callable[[int], Any], row: Row, seed: int, phase: Callable[[str], None]) -> None:
+def evaluate(build: Callable[[int], Any], row: Row, seed: int = 0,
+             phase: Callable[[str], None] = lambda _: None) -> None:
+    """Fill ``row`` from one plain and one planned step of ``build(seed)``'s model; a refused
+    budget, a broken budget or an inexact step set ``row.failure``, exceptions propagate."""
     def at(name: str) -> None:
         row.phase = name
         phase(name)
@@ -193,7 +203,7 @@ def classify(phase: str, exc: BaseException) -> tuple[str, str]:
     text = str(exc)
     lines = text.strip().splitlines()
     detail = f"{type(exc).__name__}: {lines[0][:240] if lines else ''}"
-    if "grouped_mm" in text:
+    if "grouped_mm" in text or "Expected inputs of BF16 type" in text:  # _grouped_mm's meta
         return f"{phase}: {GROUPED_MM}", detail
     if isinstance(exc, (DataDependentOutputException, DynamicOutputShapeException,
                         GuardOnDataDependentSymNode)) or "data-dependent" in text:
@@ -203,23 +213,72 @@ def classify(phase: str, exc: BaseException) -> tuple[str, str]:
     return f"{phase}: other", detail
 
 
+class ZooFailure(Exception):
+    """An entry's failure, raised by ``raise_for``: tests mark the class they expect."""
+
+
+class ClosureOverRealTensor(ZooFailure):
+    pass
+
+
+class DataDependentOp(ZooFailure):
+    pass
+
+
+class GroupedMMMeta(ZooFailure):
+    pass
+
+
+class Deadlock(ZooFailure):
+    pass
+
+
+class NoPlanUnderBudget(ZooFailure):
+    pass
+
+
+class BudgetBroken(ZooFailure):
+    pass
+
+
+class NotExact(ZooFailure):
+    pass
+
+
+_RAISES = {CLOSURE: ClosureOverRealTensor, DATA_DEPENDENT: DataDependentOp,
+           GROUPED_MM: GroupedMMMeta, "deadlock": Deadlock, NO_PLAN: NoPlanUnderBudget,
+           "budget broken": BudgetBroken, NOT_EXACT: NotExact}
+
+
+def failure_type(failure: str) -> type[ZooFailure]:
+    """The ZooFailure subclass of a failure class (ZooFailure itself for the others)."""
+    return next((cls for key, cls in _RAISES.items() if key in failure), ZooFailure)
+
+
+def raise_for(row: Row) -> None:
+    """Raise the ZooFailure of ``row``'s failure class; nothing when the row passed."""
+    if row.status != "pass":
+        raise failure_type(row.failure)(f"{row.model} [{row.planner}]: {row.failure}: "
+                                        f"{row.detail}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Run one zoo entry plain and planned.")
     parser.add_argument("name")
     parser.add_argument("--planner", default="optimal")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--stack-after", type=float, default=0.0,
-                        help="dump every thread's stack to stderr after this many seconds")
+                        help="also dump every thread's stack to stderr after this many seconds")
     args = parser.parse_args(argv)
-    torch.set_num_threads(int(os.environ.get("MEMPLAN_TEST_THREADS", "1")))
     if args.stack_after > 0:
         faulthandler.dump_traceback_later(args.stack_after, exit=False)
+    torch.set_num_threads(int(os.environ.get("MEMPLAN_TEST_THREADS", "1")))
+    faulthandler.register(signal.SIGUSR1)  # the runner asks for the stacks of a hung run
 
     def phase(name: str) -> None:
         print(PHASE + name, flush=True)
 
     row = check(args.name, args.planner, args.seed, phase)
-    faulthandler.cancel_dump_traceback_later()
     print(RESULT + json.dumps(asdict(row)), flush=True)
     sys.stdout.flush()
 

@@ -8,7 +8,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-
 from tests.zoo import Built, Entry
 
 NODES, EDGES, FEATURES, CLASSES, DROP = 256, 1024, 16, 4, 0.1
@@ -16,7 +15,7 @@ NODES, EDGES, FEATURES, CLASSES, DROP = 256, 1024, 16, 4, 0.1
 
 def node_classifier(model_cls: str, **kwargs: Any) -> Any:
     def build(seed: int) -> Built:
-        import torch_geometric.nn.models as models
+        from torch_geometric.nn import models
 
         torch.manual_seed(seed)
         model = getattr(models, model_cls)(in_channels=FEATURES, hidden_channels=32, num_layers=4,

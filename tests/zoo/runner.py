@@ -5,58 +5,82 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import fields
 from pathlib import Path
 
-import memplan
 from tests.zoo.check import PHASE, RESULT, Row
 
+import memplan
+
 ROOT = Path(__file__).resolve().parents[2]
-DEADLOCK = "deadlock (no CPU used, timeout)"
+DEADLOCK = "deadlock (the process stopped using CPU)"
 TIMEOUT = "timeout"
 
 
-def run_isolated(name: str, planner: str = "optimal", timeout_s: float = 300.0, seed: int = 0
-                 ) -> Row:
-    """``tests.zoo.check.check`` in a fresh interpreter that imports this process's memplan."""
+def run_isolated(name: str, planner: str = "optimal", timeout_s: float = 300.0, seed: int = 0,
+                 stall_s: float = 3.0) -> Row:
+    """``tests.zoo.check.check`` in a fresh interpreter that imports this process's memplan.
+    A run whose process uses no CPU for ``stall_s`` seconds is a deadlock: its stacks are
+    dumped (faulthandler, SIGUSR1) and it is killed."""
     src = str(Path(memplan.__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(ROOT), src] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]),
         "OMP_NUM_THREADS": os.environ.get("MEMPLAN_TEST_THREADS", "1"),
         "PYTHONWARNINGS": "ignore"}
     cmd = [sys.executable, "-m", "tests.zoo.check", name, "--planner", planner, "--seed",
-           str(seed), "--stack-after", str(max(timeout_s - 15, timeout_s / 2))]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+           str(seed)]
     started = time.perf_counter()
-    try:
-        out, err = proc.communicate(timeout=timeout_s)
-        hung = ""
-    except subprocess.TimeoutExpired:
-        hung = DEADLOCK if _stalled(proc.pid) else TIMEOUT
-        proc.kill()
-        out, err = proc.communicate()
-    for line in out.splitlines():
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=err, text=True)
+        hung = _wait(proc, timeout_s, stall_s)
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    for line in stdout.splitlines():
         if line.startswith(RESULT):
             return Row(**json.loads(line[len(RESULT):]))
     from tests.zoo import ZOO
 
-    phases = [line[len(PHASE):] for line in out.splitlines() if line.startswith(PHASE)]
+    phases = [line[len(PHASE):] for line in stdout.splitlines() if line.startswith(PHASE)]
     phase = phases[-1] if phases else "start"
     row = Row(name, ZOO[name].library, planner, phase=phase,
               total_s=time.perf_counter() - started)
     if hung:
         row.failure = f"{phase}: {hung}"
-        row.detail = f"no result in {timeout_s:.0f} s; stuck in {_innermost(err)}"
+        row.detail = f"stopped after {row.total_s:.0f} s; stuck in {_innermost(stderr)}"
     else:
         row.failure = f"{phase}: crash"
-        tail = [line for line in err.strip().splitlines() if line.strip()]
+        tail = [line for line in stderr.strip().splitlines() if line.strip()]
         row.detail = f"exit status {proc.returncode}: {tail[-1][:240] if tail else ''}"
     return row
+
+
+def _wait(proc: subprocess.Popen[str], timeout_s: float, stall_s: float) -> str:
+    """"" when ``proc`` ended by itself, else why it was killed."""
+    deadline = time.monotonic() + timeout_s
+    cpu, changed = _cpu_s(proc.pid), time.monotonic()
+    while True:
+        try:
+            proc.wait(timeout=0.25)
+            return ""
+        except subprocess.TimeoutExpired:
+            pass
+        now, now_cpu = time.monotonic(), _cpu_s(proc.pid)
+        if now_cpu is None or now_cpu != cpu:
+            cpu, changed = now_cpu, now
+        hung = DEADLOCK if now - changed >= stall_s else TIMEOUT if now >= deadline else ""
+        if hung:
+            proc.send_signal(signal.SIGUSR1)  # faulthandler writes every thread's stack
+            time.sleep(0.5)
+            proc.kill()
+            proc.wait()
+            return hung
 
 
 def _cpu_s(pid: int) -> float | None:
@@ -66,13 +90,6 @@ def _cpu_s(pid: int) -> float | None:
     except OSError:
         return None
     return (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _stalled(pid: int, window_s: float = 2.0) -> bool:
-    before = _cpu_s(pid)
-    time.sleep(window_s)
-    after = _cpu_s(pid)
-    return before is not None and after is not None and after - before < 0.05
 
 
 def _innermost(stderr: str) -> str:

@@ -1,14 +1,13 @@
 """Plain PyTorch written the way users write it: a flat nn.Sequential, a loss that closes over
-its targets and class weights, an in-place activation on a view, nn.TransformerEncoder with
-a padding mask, a stacked nn.LSTM, and a conv net of nested blocks."""
+its targets and class weights, in-place activations on views (InstanceNorm's output too),
+nn.TransformerEncoder with a padding mask, a stacked nn.LSTM, a conv net of nested blocks."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from tests.zoo import Built, Entry
+from torch import nn
 
 WIDTH, BATCH = 64, 256
 
@@ -61,6 +60,19 @@ def inplace_on_view(seed: int) -> Built:
     return InplaceOnView().train(), (x,), lambda out: out.square().mean()
 
 
+def instance_norm_leaky_relu(seed: int) -> Built:
+    """Conv, InstanceNorm (its output is a view of a non-leaf), LeakyReLU(inplace=True)."""
+    torch.manual_seed(seed)
+
+    def block(c_in: int, c_out: int) -> nn.Sequential:
+        return nn.Sequential(nn.Conv2d(c_in, c_out, 3, padding=1),
+                             nn.InstanceNorm2d(c_out, affine=True), nn.LeakyReLU(inplace=True))
+
+    model = nn.Sequential(block(1, 8), *(block(8, 8) for _ in range(5)), nn.Conv2d(8, 2, 1))
+    x = torch.randn(4, 1, 32, 32, generator=torch.Generator().manual_seed(seed + 1))
+    return model.train(), (x,), lambda out: out.square().mean()
+
+
 def transformer_encoder(seed: int) -> Built:
     torch.manual_seed(seed)
     layer = nn.TransformerEncoderLayer(d_model=32, nhead=2, dim_feedforward=64, dropout=0.1,
@@ -109,6 +121,7 @@ ENTRIES = [
     Entry("torch-flat-sequential", LIB, flat_sequential),
     Entry("torch-closure-loss", LIB, closure_loss),
     Entry("torch-inplace-view", LIB, inplace_on_view),
+    Entry("torch-instancenorm-leakyrelu", LIB, instance_norm_leaky_relu),
     Entry("torch-transformer-encoder", LIB, transformer_encoder),
     Entry("torch-lstm", LIB, lstm),
     Entry("torch-conv-net", LIB, conv_net),

@@ -8,7 +8,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-
 from tests.zoo import Built, Entry, positional
 
 TOKENS, SEQ, BATCH, DIM, DROP = 128, 64, 4, 32, 0.1
