@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from tests.zoo import Built, torch_zoo
 from tests.zoo.check import (
+    BudgetBroken,
     ClosureOverRealTensor,
     DataDependentOp,
     Deadlock,
@@ -166,6 +167,17 @@ def _grouped_mm(seed: int) -> Built:
                    reason="issue 11: MoE grouped_mm: the meta kernel demands bf16")
 def test_moe_grouped_mm_fp32() -> None:
     planned_step_holds(_grouped_mm)
+
+
+@pytest.mark.xfail(strict=True, raises=BudgetBroken,
+                   reason="issue 11: budget broken (measured peak above the prediction)")
+@pytest.mark.parametrize("build", [torch_zoo.kept_intermediates, torch_zoo.lstm],
+                         ids=["kept-intermediates", "lstm"])
+def test_measured_peak_within_the_prediction(build: Any) -> None:
+    """Tensors a forward keeps in a Python list until it returns (the planning chain leaves
+    them out: +30%); nn.LSTM (capture's fake run takes another kernel than the real one and
+    sees 3.6x less: the plan promises 1.2 MB, the step takes 4.3 MB)."""
+    planned_step_holds(build)
 
 
 class SharedTable(nn.Module):

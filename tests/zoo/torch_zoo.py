@@ -1,6 +1,7 @@
 """Plain PyTorch written the way users write it: a flat nn.Sequential, a loss that closes over
 its targets and class weights, in-place activations on views (InstanceNorm's output too),
-nn.TransformerEncoder with a padding mask, a stacked nn.LSTM, a conv net of nested blocks."""
+nn.TransformerEncoder with a padding mask, a stacked nn.LSTM, intermediates kept in a list,
+a conv net of nested blocks."""
 
 from __future__ import annotations
 
@@ -73,6 +74,29 @@ def instance_norm_leaky_relu(seed: int) -> Built:
     return model.train(), (x,), lambda out: out.square().mean()
 
 
+class KeptIntermediates(nn.Module):
+    """Each layer's output kept (detached) in a Python list until forward returns, as
+    x-transformers keeps its layer intermediates; nothing reads them again."""
+
+    def __init__(self, depth: int = 8) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.GELU(),
+                                                  nn.Dropout(0.1)) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kept = []
+        for layer in self.layers:
+            x = layer(x)
+            kept.append(x.detach() * 2)
+        return x
+
+
+def kept_intermediates(seed: int) -> Built:
+    torch.manual_seed(seed)
+    x = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(seed + 1))
+    return KeptIntermediates().train(), (x,), lambda out: out.square().mean()
+
+
 def transformer_encoder(seed: int) -> Built:
     torch.manual_seed(seed)
     layer = nn.TransformerEncoderLayer(d_model=32, nhead=2, dim_feedforward=64, dropout=0.1,
@@ -124,5 +148,6 @@ ENTRIES = [
     Entry("torch-instancenorm-leakyrelu", LIB, instance_norm_leaky_relu),
     Entry("torch-transformer-encoder", LIB, transformer_encoder),
     Entry("torch-lstm", LIB, lstm),
+    Entry("torch-kept-intermediates", LIB, kept_intermediates),
     Entry("torch-conv-net", LIB, conv_net),
 ]
