@@ -267,11 +267,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("name")
     parser.add_argument("--planner", default="optimal")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--stack-after", type=float, default=0.0,
-                        help="also dump every thread's stack to stderr after this many seconds")
     args = parser.parse_args(argv)
-    if args.stack_after > 0:
-        faulthandler.dump_traceback_later(args.stack_after, exit=False)
     torch.set_num_threads(int(os.environ.get("MEMPLAN_TEST_THREADS", "1")))
     faulthandler.register(signal.SIGUSR1)  # the runner asks for the stacks of a hung run
 
