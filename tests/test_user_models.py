@@ -11,6 +11,9 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
+
+import memplan
 from tests.zoo import Built, torch_zoo
 from tests.zoo.check import (
     BudgetBroken,
@@ -23,9 +26,6 @@ from tests.zoo.check import (
     run_build,
 )
 from tests.zoo.runner import run_isolated
-from torch import nn
-
-import memplan
 
 
 def planned_step_holds(build: Any, planner: str = "optimal") -> None:

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+
 from tests.zoo import ZOO, installed
 from tests.zoo.check import failure_type, raise_for
 from tests.zoo.runner import run_isolated

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
 from tests.zoo import Built, Entry
 
 BATCH, SIZE, CLASSES, DROP = 4, 64, 3, 0.1

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
 from tests.zoo import Built, Entry
 
 NODES, EDGES, FEATURES, CLASSES, DROP = 256, 1024, 16, 4, 0.1

@@ -14,9 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import fields
 from pathlib import Path
 
-from tests.zoo.check import PHASE, RESULT, Row
-
 import memplan
+from tests.zoo.check import PHASE, RESULT, Row
 
 ROOT = Path(__file__).resolve().parents[2]
 DEADLOCK = "deadlock (the process stopped using CPU)"

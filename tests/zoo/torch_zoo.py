@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from tests.zoo import Built, Entry
 from torch import nn
+
+from tests.zoo import Built, Entry
 
 WIDTH, BATCH = 64, 256
 

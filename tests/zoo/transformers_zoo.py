@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
 from tests.zoo import Built, Entry, positional
 
 VOCAB = 128

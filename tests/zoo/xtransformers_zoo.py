@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
 from tests.zoo import Built, Entry, positional
 
 TOKENS, SEQ, BATCH, DIM, DROP = 128, 64, 4, 32, 0.1
