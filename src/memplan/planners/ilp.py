@@ -48,8 +48,9 @@ from memplan import graph as g
 from memplan.budget import BudgetTooSmall
 from memplan.errors import bad_arg
 from memplan.plan import Plan, make_plan
+from memplan.planners.coarse import coarsen, expand
 from memplan.planners.common import ChainLike, int_param
-from memplan.planners.optimal import coarsen, expand, plan_optimal
+from memplan.planners.optimal import plan_optimal
 
 CUTS = ("auto", "all", "clean")
 Terms = list[tuple[int, float]]
