@@ -96,29 +96,54 @@ def _shifted(pool: I64, off: int, n: int, shift: int, need: int, add: int, cap: 
 
 
 @jit
-def _summed(pool: I64, ao: int, an: int, ash: int, bo: int, bn: int, bsh: int, need: int,
-            add: int, cap: int, cost_cap: int, choice: int, out: I64) -> int:
-    """m -> A(m - ash) + B(m - bsh) + add for m >= need: a region's body and what follows.
-    Starts where each alone, at the other's cheapest, first fits cost_cap."""
-    a_min, b_min = pool[ao + an - 1, 1], pool[bo + bn - 1, 1]
-    i = _affordable(pool, ao, an, cost_cap - add - b_min)
-    j = _affordable(pool, bo, bn, cost_cap - add - a_min)
+def _with_region(pool: I64, ao: int, an: int, ash: int, bo: int, bn: int, bsh: int,
+                 need: int, add: int, cap: int, cost_cap: int, choice: int, env: I64, ne: int,
+                 out: I64) -> int:
+    """The least of env and the choice m -> A(m - ash) + B(m - bsh) + add for m >= need (a
+    region's body, then what follows it), written to out (ties: env); -1: env unchanged.
+    The choice starts where each of A and B alone, at the other's cheapest, first fits
+    cost_cap; env is copied in bulk up to where the choice first beats it and from where it
+    falls below all the choice can reach."""
+    floor = pool[ao + an - 1, 1] + pool[bo + bn - 1, 1] + add  # the choice never costs less
+    i = _affordable(pool, ao, an, cost_cap - add - pool[bo + bn - 1, 1])
+    j = _affordable(pool, bo, bn, cost_cap - add - pool[ao + an - 1, 1])
     if i == an or j == bn:
-        return 0
-    nx = max(need, pool[ao + i, 0] + ash, pool[bo + j, 0] + bsh)
-    w = 0
-    while nx <= cap:
-        while i + 1 < an and pool[ao + i + 1, 0] + ash <= nx:
-            i += 1
-        while j + 1 < bn and pool[bo + j + 1, 0] + bsh <= nx:
-            j += 1
-        cost = pool[ao + i, 1] + pool[bo + j, 1] + add
-        if cost <= cost_cap:
-            _put(out, w, nx, cost, choice)
-            w += 1
-        na = pool[ao + i + 1, 0] + ash if i + 1 < an else BIG
-        nb = pool[bo + j + 1, 0] + bsh if j + 1 < bn else BIG
-        nx = min(na, nb)
+        return -1
+    cx = max(need, pool[ao + i, 0] + ash, pool[bo + j, 0] + bsh)
+    if cx > cap or _dominated(env, ne, cx, floor):
+        return -1
+    k = find(env, 0, ne, cx - 1) + 1  # env's points before the choice starts
+    w, ve, ce, vc = -1, (env[k - 1, 1] if k else BIG), (env[k - 1, 2] if k else 0), BIG
+    while k < ne or cx <= cap:
+        ex = env[k, 0] if k < ne else BIG
+        nx = min(ex, cx)
+        before = k  # env's points before nx
+        if ex == nx:
+            ve, ce = env[k, 1], env[k, 2]
+            k += 1
+        if cx == nx:
+            while i + 1 < an and pool[ao + i + 1, 0] + ash <= nx:
+                i += 1
+            while j + 1 < bn and pool[bo + j + 1, 0] + bsh <= nx:
+                j += 1
+            vc = pool[ao + i, 1] + pool[bo + j, 1] + add
+            vc = vc if vc <= cost_cap else BIG
+            cx = min(pool[ao + i + 1, 0] + ash if i + 1 < an else BIG,
+                     pool[bo + j + 1, 0] + bsh if j + 1 < bn else BIG)
+            cx = cx if cx <= cap else BIG
+        if w < 0 and vc < ve:  # the choice first beats env: env's points so far stand
+            out[:before] = env[:before]
+            w = before
+        if w >= 0:
+            v, c = (ve, ce) if ve <= vc else (vc, choice)
+            if w == 0 or v < out[w - 1, 1]:
+                _put(out, w, nx, v, c)
+                w += 1
+        if ve <= (vc if cx == BIG else floor):  # the rest of env is below the choice
+            if w < 0:
+                return -1
+            out[w : w + ne - k] = env[k:ne]
+            return w + ne - k
     return w
 
 
@@ -164,13 +189,13 @@ def ref(cid: I32, gb: I64, n_cls: int, s: int, t: int) -> tuple[int, int]:
 
 @jit
 def _regions(st: I64, cid: I32, n_cls: int, tab: I64, pool: I64, s: int, t: int, last: int,
-             g: int, cap: int, cost_cap: int, env: I64, cand: I64, tmp: I64
-             ) -> tuple[int, I64, I64, I64]:
-    """Envelope of the choices 'region s..e, then e+1..t' over e <= last (the last e whose
-    body fits at all); returns its size and the buffers."""
+             g: int, cap: int, cost_cap: int, env: I64, ne: int, tmp: I64
+             ) -> tuple[int, I64, I64]:
+    """env (ne points) joined by the choices 'region s..e, then e+1..t' for e <= last (the
+    last e whose body fits at all); returns the size and the buffers."""
     k = st.shape[1]
     tf0 = TF0_TOP if t == k - 1 else TF0_IN
-    ne, fwd, fsum = 0, NEG, 0
+    fwd, fsum = NEG, 0
     for e in range(s, min(t, last + 1)):
         # The region's first forward keeps nothing but the inputs of its later stages.
         fwd = max(fwd, st[tf0, e] + (st[X, e - 1] if e > s else 0))
@@ -182,17 +207,40 @@ def _regions(st: I64, cid: I32, n_cls: int, tab: I64, pool: I64, s: int, t: int,
         ao, an, bo, bn = tab[brow, 0, 0], tab[brow, 0, 1], tab[rrow, 1, 0], tab[rrow, 1, 1]
         if an == 0 or bn == 0:
             continue
-        rsh += st[X, e]
-        start = max(g + fwd, pool[ao, 0] + bsh, pool[bo, 0] + rsh)
-        cheapest = pool[ao + an - 1, 1] + pool[bo + bn - 1, 1] + fsum
-        if start > cap or cheapest > cost_cap or _dominated(env, ne, start, cheapest):
-            continue
-        cand = _room(cand, an + bn)
-        nc = _summed(pool, ao, an, bsh, bo, bn, rsh, g + fwd, fsum, cap, cost_cap, e - s, cand)
-        tmp = _room(tmp, ne + nc)
-        ne = _envelope(env, ne, cand, nc, tmp)
-        env, tmp = tmp, env
-    return ne, env, cand, tmp
+        tmp = _room(tmp, ne + an + bn)
+        w = _with_region(pool, ao, an, bsh, bo, bn, rsh + st[X, e], g + fwd, fsum, cap,
+                         cost_cap, e - s, env, ne, tmp)
+        if w >= 0:
+            ne, env, tmp = w, tmp, env
+    return ne, env, tmp
+
+
+@jit
+def _single(st: I64, pool: I64, ro: int, rn: int, rsh: int, s: int, dr: int, top: bool,
+            g: int, cap: int, cost_cap: int, allow_dc: bool, out: I64, tmp: I64, mix: I64
+            ) -> tuple[int, I64, I64, I64]:
+    """'keep s' (and at the top level the better of it and 'drop-cheap s'), then the frontier
+    of s+1..t at ro: (count, out, and the scratch buffers)."""
+    credit = st[DPREV, s] * dr
+    need = max(g + st[TF_TOP if top else TF_IN, s], st[NEED_B, s] - credit)
+    out, tmp, mix = _room(out, rn), _room(tmp, rn), _room(mix, 2 * rn)
+    n = _shifted(pool, ro, rn, rsh + st[XBAR, s] - credit, need, st[COST, s], cap, cost_cap,
+                 KEEP, out)
+    if top and allow_dc:
+        nd = _shifted(pool, ro, rn, rsh + st[XSAC, s], st[DC_NEED, s],
+                      st[COST, s] + st[CHEAP, s], cap, cost_cap, DROP_CHEAP, tmp)
+        n = _envelope(out, n, tmp, nd, mix)
+        out, mix = mix, out
+    return n, out, tmp, mix
+
+
+@jit
+def _store(pool: I64, used: int, buf: I64, n: int, base: int) -> tuple[I64, int]:
+    """Append a frontier (needs made relative to base); returns the pool and its new end."""
+    pool = _room(pool, used + n)
+    pool[used : used + n] = buf[:n]
+    pool[used : used + n, 0] -= base
+    return pool, used + n
 
 
 @jit
@@ -227,32 +275,30 @@ def fill(st: I64, cid: I32, cls_cap: I64, mcap: int, top_cost_cap: I64, inner_sl
             cap = mcap if top else cls_cap[row] + base
             cost_cap = top_cost_cap[s] if top else fpre[t + 1] - fpre[s] + inner_slack
             g = 0 if top else st[GF_IN, t]  # gradient bytes held while a region replays
-            ne, env, cand, tmp = _regions(st, cid, n_cls, tab, pool, s, t, last[s], g, cap,
-                                          cost_cap, env, cand, tmp)
             rrow, rsh = ref(cid, st[GB], n_cls, s + 1, t)
             ro, rn = tab[rrow, 1, 0], tab[rrow, 1, 1]
+            if top:  # only dr = 1 is asked for (and dr = 0 at s = 0, the same: d_{-1} = 0)
+                nk, env, tmp, mix = _single(st, pool, ro, rn, rsh, s, 1, True, g, cap,
+                                            cost_cap, allow_dc, env, tmp, mix)
+                nk, env, tmp = _regions(st, cid, n_cls, tab, pool, s, t, last[s], g, cap,
+                                        cost_cap, env, nk, tmp)
+                tab[row, 1, 0] = used
+                pool, used = _store(pool, used, env, nk, 0)
+                tab[row, 1, 1] = nk
+                tab[row, 0, 0], tab[row, 0, 1] = (used - nk, nk) if s == 0 else (0, 0)
+                continue
+            ne, env, tmp = _regions(st, cid, n_cls, tab, pool, s, t, last[s], g, cap, cost_cap,
+                                    env, 0, tmp)
             for dr in range(2):
-                if dr == 0 and top and s > 0:  # never asked for
-                    tab[row, 0, 0], tab[row, 0, 1] = 0, 0
-                    continue
-                if dr == 1 and st[DPREV, s] == 0 and not (top and s > 0):  # as dr = 0
+                if dr == 1 and st[DPREV, s] == 0:  # as dr = 0
                     tab[row, 1, 0], tab[row, 1, 1] = tab[row, 0, 0], tab[row, 0, 1]
                     continue
-                credit = st[DPREV, s] * dr
-                need = max(g + st[TF_TOP if top else TF_IN, s], st[NEED_B, s] - credit)
-                cand, tmp, mix = _room(cand, rn), _room(tmp, rn), _room(mix, 2 * rn)
-                nk = _shifted(pool, ro, rn, rsh + st[XBAR, s] - credit, need, st[COST, s], cap,
-                              cost_cap, KEEP, cand)
-                if top and allow_dc:
-                    nd = _shifted(pool, ro, rn, rsh + st[XSAC, s], st[DC_NEED, s],
-                                  st[COST, s] + st[CHEAP, s], cap, cost_cap, DROP_CHEAP, tmp)
-                    nk = _envelope(cand, nk, tmp, nd, mix)
-                    cand, mix = mix, cand
-                pool = _room(pool, used + nk + ne)
-                w = _envelope(cand, nk, env, ne, pool[used:])
-                pool[used : used + w, 0] -= base
+                nk, cand, tmp, mix = _single(st, pool, ro, rn, rsh, s, dr, False, g, cap,
+                                             cost_cap, allow_dc, cand, tmp, mix)
+                mix = _room(mix, nk + ne)
+                w = _envelope(cand, nk, env, ne, mix)
                 tab[row, dr, 0], tab[row, dr, 1] = used, w
-                used += w
+                pool, used = _store(pool, used, mix, w, base)
         for s in range(k - n):  # bodies of n stages are known now
             row, _ = ref(cid, st[GB], n_cls, s, s + n - 1)
             if tab[row, 0, 1] > 0:

@@ -35,7 +35,7 @@ from memplan.planners.repeats import classes, stage_types
 I64 = npt.NDArray[np.int64]
 I32 = npt.NDArray[np.int32]
 INF = float("inf")
-SLACK_START = 64  # the first search allows 1/64 of a forward pass above the lower bound
+SLACK_START = 32  # the first search allows 1/32 of a forward pass above the lower bound
 LEAST_PEAK_TOLERANCE = 1024  # without a budget: the least peak to 1/1024 of the plain one
 MAX_NESTING = 100  # deeper plans recompute stages 100+ times; chain._run etc. recurse per level
 
@@ -147,7 +147,7 @@ def _cost_caps(shape: _Shape, free: int, slack: int) -> tuple[I64, int]:
 def search(shape: _Shape, free: int) -> _Program | None:
     """The program at ``free`` bytes whose root point is the optimum; None: nothing fits.
     Costs are capped at the lower bound plus a slack; if that cuts every plan, the slack
-    grows 4x (the caps never cut a plan within them, so the first plan found is optimal)."""
+    doubles (the caps never cut a plan within them, so the first plan found is optimal)."""
     k = shape.st.shape[1]
     total = int(shape.st[F.COST].sum()) + int(shape.st[F.CHEAP].sum())
     slack = max(1, int(shape.st[F.COST].sum()) // SLACK_START)
@@ -160,7 +160,7 @@ def search(shape: _Shape, free: int) -> _Program | None:
         if unbounded or (not checked and least_need(shape) > free):
             return None
         checked = True
-        slack *= 4
+        slack *= 2
 
 
 def least_need(shape: _Shape) -> int:
