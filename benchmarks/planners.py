@@ -167,8 +167,8 @@ def report(rows: list[dict[str, Any]], times: list[dict[str, Any]],
            before: dict[str, Any] | None) -> None:
     old = {(r["model"], r["budget_gb"], r["planner"]): r for r in (before or {}).get("rows", [])}
     old_t = {(r["model"], r["case"]): r for r in (before or {}).get("times", [])}
-    side = "| before: peak | extra | plan time " if before else ""
-    print(f"\n| model | budget | planner | reference | {side}| peak | extra | plan time |")
+    side = "before: peak | extra | plan time | " if before else ""
+    print(f"\n| model | budget | planner | reference | {side}peak | extra | plan time |")
     print("|---" * (7 + (3 if before else 0)) + "|")
     for r in rows:
         print(fmt_row(r, old.get((r["model"], r["budget_gb"], r["planner"])), before is not None))

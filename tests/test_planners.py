@@ -259,3 +259,15 @@ def test_plan_entry_point() -> None:
         planning.plan(g, budget=0.95, objective="time")  # times are measured on a model
     with pytest.raises(memplan.ConfigError, match="planner"):
         planning.plan(g, budget=0.95, planner="nope")
+
+
+def test_measured_times_of_one_kind_are_averaged() -> None:
+    """Timing noise must not make equal stages unique (the program solves equal sub-chains
+    once): stages of one kind plan with their kind's mean time."""
+    c = uniform_chain(12)  # stage 0 differs (nothing before it to free), so does the loss
+    noisy = [1.0 + 0.01 * (s % 3) for s in range(11)] + [0.001]
+    mean = noisy[:1] + [float(np.mean(noisy[1:11]))] * 10 + noisy[11:]
+    assert O.kind_means(c, 1e9 * np.array(noisy)).tolist() == [round(1e9 * m) for m in mean]
+    budget = c.base_bytes + O.least_need(O._Shape.of(O.stage_table(c), True)) + 30
+    assert (PLANNERS["optimal"](c, budget, stage_time_s=noisy).schedule
+            == PLANNERS["optimal"](c, budget, stage_time_s=mean).schedule)

@@ -187,6 +187,16 @@ def solve(c: Chain, avail_bytes: int, slots: int | None = None, slot_bytes: int 
     return float(hit[0]), prog.schedule(0, c.n - 1, 0, free)
 
 
+def kind_means(c: Chain, times_ns: npt.NDArray[np.float64]) -> I64:
+    """Measured times averaged over stages of one kind (equal FLOPs and bytes, gradient bytes
+    aside): timing noise would make every stage unique and cost the program its sharing of
+    identical sub-chains (``repeats``). Whole nanoseconds."""
+    st = stage_table(c)
+    kinds = stage_types(np.delete(st, [F.NEED_B, F.GF_IN, F.GB], axis=0))
+    mean = np.bincount(kinds, weights=times_ns) / np.bincount(kinds)
+    return np.rint(mean[kinds]).astype(np.int64)
+
+
 def least_peak_schedule(c: Chain, slots: int | None = None, cost: I64 | None = None,
                         allow_drop_cheap: bool = True) -> tuple[Item, ...]:
     """The cheapest schedule within ``LEAST_PEAK_TOLERANCE`` of the way from the least peak to
@@ -234,8 +244,8 @@ def plan_optimal(graph: ChainLike, budget_bytes: int | None = None,
                                                                            range(chain.n)])
     cost = None
     if stage_time_s is not None:  # nanoseconds: integer costs keep the program exact
-        cost = np.array([round(1e9 * sum(stage_time_s[a : b + 1])) for a, b in groups],
-                        dtype=np.int64)
+        cost = kind_means(coarse, np.array([1e9 * sum(stage_time_s[a : b + 1])
+                                            for a, b in groups]))
     params = {"max_stages": max_stages, "slots": slots, "drop_cheap": drop_cheap,
               "objective": "flops" if cost is None else "time"}
     notes: tuple[str, ...] = () if coarse is chain else (
