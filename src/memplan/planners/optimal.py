@@ -272,3 +272,15 @@ def plan_optimal(graph: ChainLike, budget_bytes: int | None = None,
     note = (f"the least-peak plan is returned: at this budget slot rounding finds none, or "
             f"the cheapest plan nests regions over {MAX_NESTING} deep")
     return done(least.schedule, (note,))
+
+
+def warm_up() -> None:
+    """Compile (and cache on disk) the program's kernels: numba compiles on first use, tens of
+    seconds of CPU; ``make install`` calls this once so planning starts warm."""
+    k = 3
+    one = np.ones(k, dtype=np.int64)
+    c = Chain("warm-up", np.arange(k), np.arange(k), ("m",) * k, f=one, b=one, x=one,
+              xbar=2 * one, d=one, xsac=one, xsac_b=2 * one, fcheap=one, tf=one, tf0=one,
+              tb=one, gb=one, base_bytes=0, step_flops=3 * k)
+    solve(c, 10)
+    least_peak_schedule(c)
