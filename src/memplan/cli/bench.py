@@ -11,7 +11,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from memplan.cli.common import wide_console
 from memplan.core.budget import budget_from_text, parse_budget
-from memplan.core.planners import PLANNERS
+from memplan.core.planners import NAMES as PLANNER_NAMES
 from memplan.errors import bad_arg
 
 if TYPE_CHECKING:
@@ -76,8 +76,8 @@ def config(args: argparse.Namespace) -> BenchConfig:
     B.check_bench_device(args.device, args.real)
     planners = tuple(p.strip() for p in args.planners.split(",") if p.strip())
     for p in planners:
-        if p not in PLANNERS:
-            raise bad_arg("--planners", f"names from {sorted(PLANNERS)}", p,
+        if p not in PLANNER_NAMES:
+            raise bad_arg("--planners", f"names from {sorted(PLANNER_NAMES)}", p,
                           "Use e.g. --planners sqrt,optimal.")
     if args.repeat < 1:
         raise bad_arg("--repeat", "an integer >= 1", args.repeat, "Use e.g. --repeat 3.")

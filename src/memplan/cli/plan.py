@@ -12,7 +12,7 @@ from rich.table import Table
 from memplan.cli.common import MODEL_HELP, check_writable, wide_console
 from memplan.core.budget import budget_from_text, format_bytes
 from memplan.core.plan import Plan, Stage
-from memplan.core.planners import PLANNERS
+from memplan.core.planners import NAMES as PLANNER_NAMES
 
 
 def add_parser(sub: Any) -> None:
@@ -22,7 +22,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--budget", help="peak budget: 6GiB, 7GB, bytes, or a fraction of the "
                    "plain peak like 0.25 (default: none; optimal then finds the least peak)")
     p.add_argument("--planner", default="optimal",
-                   help=f"one of {', '.join(sorted(PLANNERS))} (default optimal)")
+                   help=f"one of {', '.join(sorted(PLANNER_NAMES))} (default optimal)")
     p.add_argument("--objective", default="flops", choices=("flops", "time"),
                    help="what the planner minimises: recomputed FLOPs (default) or predicted "
                    "step time (times each stage's forward for real on --device)")
