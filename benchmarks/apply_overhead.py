@@ -1,4 +1,4 @@
-"""Issue 4 benchmark: memplan's executor against plain PyTorch and hand-written
+"""Executor benchmark: memplan's executor against plain PyTorch and hand-written
 ``torch.utils.checkpoint`` on the paper's ResNet at 50 layers (batch 8, 128x128), real steps,
 interleaved runs, medians; then predicted vs measured peak for every planner on every
 benchmark model.
@@ -21,9 +21,10 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import memplan
-from memplan import chain as C
-from memplan.apply import apply
-from memplan.plan import make_plan
+from memplan.core import chain as C
+from memplan.core import schedule as S
+from memplan.core.plan import make_plan
+from memplan.runtime.apply import apply
 
 GB = 1e9
 
@@ -76,7 +77,7 @@ def same_segments_plan(graph: memplan.Graph, model: nn.Module, segments: list[li
         hits = [k for path, k in segment_of.items() if module == path or module.startswith(path + ".")]
         return hits[0] if hits else last
 
-    items: list[C.Item] = []
+    items: list[S.Item] = []
     s = 0
     while s < chain.n:
         k = seg(s)
@@ -84,12 +85,12 @@ def same_segments_plan(graph: memplan.Graph, model: nn.Module, segments: list[li
         while e + 1 < chain.n and seg(e + 1) == k:
             e += 1
         if k < last:
-            items.append(C.Region(s, e, tuple(C.Keep(t) for t in range(s, e + 1))))
+            items.append(S.Region(s, e, tuple(S.Keep(t) for t in range(s, e + 1))))
         else:
-            items.extend(C.Keep(t) for t in range(s, e + 1))
+            items.extend(S.Keep(t) for t in range(s, e + 1))
         s = e + 1
     plan = make_plan(chain, tuple(items), "hand-segments", {"segments": len(segments)}, None)
-    return dataclasses.replace(plan, forward=graph.meta["forward"])
+    return dataclasses.replace(plan, forward=graph.forward)
 
 
 def timed(models: dict[str, nn.Module], inputs: tuple[Any, ...], loss: Any, repeat: int,

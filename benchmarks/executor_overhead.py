@@ -25,11 +25,13 @@ import torch
 from torch import nn
 
 import memplan
-from memplan import chain as C
-from memplan.apply import apply, forward_targets
+from memplan.analysis.peers import _torch_segments, checkpoint_sequential_segments, peer_workload
+from memplan.core import chain as C
+from memplan.core import schedule as S
+from memplan.core.plan import make_plan
 from memplan.models import Workload
-from memplan.peers import _torch_segments, peer_workload, sqrt_segments
-from memplan.plan import make_plan
+from memplan.runtime.apply import apply
+from memplan.runtime.probe import probe
 
 GPT_SIZES = [  # (layers, d_model, seq_len): issue 14's small-op GPTs
     (4, 64, 64), (4, 128, 128), (6, 256, 256)]
@@ -45,7 +47,8 @@ def unit_plan(w: Workload, graph: memplan.Graph, unit_ends: list[int],
     unit's call); units with ``recomputed[k]`` False, and stages after the last unit (the
     loss), are kept."""
     chain = C.build_chain(graph)
-    n_model = int(graph.meta["forward"]["ops"])
+    assert graph.forward is not None
+    n_model = graph.forward.ops
 
     def unit(s: int) -> int:
         end = int(chain.last[s]) + 1
@@ -54,7 +57,7 @@ def unit_plan(w: Workload, graph: memplan.Graph, unit_ends: list[int],
                 return k
         return len(unit_ends)
 
-    items: list[C.Item] = []
+    items: list[S.Item] = []
     s = 0
     while s < chain.n:
         k = unit(s)
@@ -62,17 +65,17 @@ def unit_plan(w: Workload, graph: memplan.Graph, unit_ends: list[int],
         while e + 1 < chain.n and unit(e + 1) == k and int(chain.last[e + 1]) < n_model:
             e += 1
         if k < len(unit_ends) and recomputed[k] and int(chain.last[e]) < n_model:
-            items.append(C.Region(s, e, tuple(C.Keep(t) for t in range(s, e + 1))))
+            items.append(S.Region(s, e, tuple(S.Keep(t) for t in range(s, e + 1))))
         else:
-            items.extend(C.Keep(t) for t in range(s, e + 1))
+            items.extend(S.Keep(t) for t in range(s, e + 1))
         s = e + 1
     plan = make_plan(chain, tuple(items), "units", {"units": len(unit_ends)}, None)
-    return dataclasses.replace(plan, forward=graph.meta["forward"])
+    return dataclasses.replace(plan, forward=graph.forward)
 
 
 def call_ends(model: nn.Module, inputs: tuple[Any, ...], paths: list[str]) -> list[int]:
     """Op counts at the end of each call of the modules ``paths``, in forward order."""
-    ends = forward_targets(model, inputs, watch=paths).call_ends
+    ends = probe(model, inputs, watch=paths).call_ends
     return sorted(e for p in paths for e in ends[p])
 
 
@@ -90,7 +93,7 @@ def lstm_case(steps: int) -> tuple[str, Workload, Workload, list[int], list[bool
     w = memplan.models.get("lstm", steps=steps, **LSTM_FIXED)
     model = w.build_model()
     step_ends = call_ends(model, w.build_inputs(), ["step"])
-    bounds = _torch_segments(steps, sqrt_segments(steps))
+    bounds = _torch_segments(steps, checkpoint_sequential_segments(steps))
     ends = [step_ends[b - 1] for _, b in bounds]
     return (f"lstm T{steps}", w, peer_workload(w, "checkpoint_sequential"), ends,
             [b < steps for _, b in bounds])

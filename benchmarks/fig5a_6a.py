@@ -17,10 +17,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from memplan.allocation import allocate
-from memplan.graph import Graph
-from memplan.mirror_plans import drop_bn_relu_plan, sqrt_plan
-from memplan.training_graph import training_graph
+from memplan.core.graph import Graph
+from memplan.core.static.allocation import allocate
+from memplan.core.static.mirror_plans import drop_bn_relu_plan, sqrt_plan
+from memplan.core.static.training_graph import training_graph
 
 GIB = 2**30
 # Fig. 5a/6a legends -> (allocation strategy, mirror plan). "sublinear" is the sqrt(n)

@@ -25,7 +25,7 @@ import torch
 from _common import compare, emit, grads, interleaved_medians, parse_budget, parser
 
 import memplan
-from memplan.apply import applied_state
+from memplan.runtime.apply import applied_state
 
 
 def main() -> None:

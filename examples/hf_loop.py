@@ -29,7 +29,7 @@ from _common import compare, emit, grads, interleaved_medians, parse_budget, par
 from hf_models import batch, build, hf_loss, positional
 
 import memplan
-from memplan.apply import applied_state
+from memplan.runtime.apply import applied_state
 
 MARGIN = 0.03
 

@@ -33,7 +33,7 @@ from _common import compare, emit, grads, interleaved_medians, parser
 
 import memplan
 from memplan import distributed as md
-from memplan.apply import applied_state
+from memplan.runtime.apply import applied_state
 
 SEED = 100
 

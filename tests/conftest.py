@@ -1,9 +1,14 @@
-"""Exactness tests compare bit patterns, and gradients differ between thread counts: fix it."""
+"""Exactness tests compare bit patterns, and gradients differ between thread counts: fix it.
+Without torch (tests/core runs anywhere), there is nothing to fix."""
 
 from __future__ import annotations
 
 import os
 
-import torch
+try:
+    import torch
+except ImportError:  # the torch-free core's tests
+    torch = None  # type: ignore[assignment]
 
-torch.set_num_threads(int(os.environ.get("MEMPLAN_TEST_THREADS", "1")))
+if torch is not None:
+    torch.set_num_threads(int(os.environ.get("MEMPLAN_TEST_THREADS", "1")))

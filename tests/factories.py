@@ -1,4 +1,4 @@
-"""User model factories for ``memplan plan factories:NAME`` in the CLI tests."""
+"""User model factories for ``memplan plan tests.factories:NAME`` in the CLI tests."""
 
 from __future__ import annotations
 

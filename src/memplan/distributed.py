@@ -35,55 +35,16 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from memplan.budget import BudgetTooSmall, parse_budget
-from memplan.errors import MemplanError, bad_arg
-from memplan.plan import Plan
+from memplan.api import plan as make_plan
+from memplan.core.budget import budget_too_small, parse_budget
+from memplan.core.plan import Plan
+from memplan.errors import BudgetTooSmall, ConfigError, bad_arg
+from memplan.runtime.apply import apply, unapply
+from memplan.tracing.capture import capture
+from memplan.tracing.fake import fake_forward
+from memplan.tracing.measure import measure
 
 FSDP_UNIT_COPIES = 5  # unit run + prefetched + all-gather buffer + unsharded grads + RS input
-
-
-# --- what wraps a model ------------------------------------------------------------------------
-
-
-def _fsdp_classes() -> tuple[type, ...]:
-    classes: list[type] = []
-    try:
-        from torch.distributed.fsdp import FSDPModule  # FSDP2 (torch >= 2.6)
-
-        classes.append(FSDPModule)
-    except ImportError:
-        pass
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel  # FSDP1
-
-        classes.append(FullyShardedDataParallel)
-    except ImportError:
-        pass
-    return tuple(classes)
-
-
-def sharded_units(model: nn.Module) -> list[str]:
-    """Paths of the FSDP units (``fully_shard`` or FSDP1 wrappers) strictly inside ``model``."""
-    if not torch.distributed.is_available():
-        return []
-    classes = _fsdp_classes()
-    return [name for name, mod in model.named_modules() if name and isinstance(mod, classes)]
-
-
-def check_wrappers(model: nn.Module) -> None:
-    """Raise when ``model`` runs under a plan and contains FSDP units: their all-gathers would
-    be recorded and their freed parameters replayed in backward (wrong gradients)."""
-    inner = sharded_units(model)
-    if inner:
-        shown = ", ".join(inner[:3]) + (" ..." if len(inner) > 3 else "")
-        raise MemplanError(
-            f"memplan: this model runs under a plan and contains {len(inner)} FSDP unit(s) "
-            f"({shown}); a recompute scope around an FSDP unit would replay its all-gathered "
-            "parameters after FSDP freed them. Apply memplan per FSDP unit instead, before "
-            "fully_shard: plans = memplan.distributed.plan_units(model, units, *inputs, "
-            "loss_fn=..., budget=..., world_size=...); memplan.distributed.apply_units(model, "
-            "plans); then fully_shard each unit and the root (docs/recipes.md)."
-        )
 
 
 # --- budgets -----------------------------------------------------------------------------------
@@ -109,13 +70,11 @@ def plan_ddp(model: nn.Module, *inputs: Any, loss_fn: Any = None, budget: object
     """A plan for one DDP rank (the model before wrapping, the rank's local batch): the rank's
     ``budget`` (bytes or '6GiB') less DDP's gradient buckets. Deterministic: equal shapes on
     every rank give the same plan (compare ``fingerprint(plan)`` across ranks)."""
-    from memplan.planning import plan
-
     total = parse_budget(budget)
     left = total - bucket_bytes(model)
     if left <= 0:
-        raise BudgetTooSmall(total, bucket_bytes(model), planner)
-    return plan(model, *inputs, loss_fn=loss_fn, budget=left, planner=planner, **kwargs)
+        raise budget_too_small(total, bucket_bytes(model), planner)
+    return make_plan(model, *inputs, loss_fn=loss_fn, budget=left, planner=planner, **kwargs)
 
 
 def fingerprint(plans: Plan | Sequence[Plan] | UnitPlans) -> str:
@@ -176,7 +135,7 @@ def _unit_loss(out: Any) -> torch.Tensor:
     flat, _ = tree_flatten(out)
     tensors = [t for t in flat if isinstance(t, torch.Tensor) and t.is_floating_point()]
     if not tensors:
-        raise MemplanError("plan_units: a unit returned no floating-point tensor to plan for.")
+        raise ConfigError("plan_units: a unit returned no floating-point tensor to plan for.")
     total = tensors[0].float().sum()
     for t in tensors[1:]:
         total = total + t.float().sum()
@@ -188,17 +147,12 @@ def unit_inputs(model: nn.Module, units: Sequence[str], *inputs: Any
     """Example inputs of each unit's (first) call in one training forward of ``model``, run on
     fake tensors (no memory, parameters untouched), returned as zero tensors of the same
     shapes, dtypes and requires_grad (non-tensor arguments as they were)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.func import functional_call
-
-    from memplan.step import functional_state
-
     seen: dict[str, tuple[Any, ...]] = {}
 
     def pre_hook(path: str) -> Callable[..., None]:
         def hook(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             if kwargs:
-                raise MemplanError(
+                raise ConfigError(
                     f"plan_units: unit '{path}' is called with keyword arguments "
                     f"({', '.join(kwargs)}); memplan plans a unit from positional example "
                     "inputs. Choose units called positionally (e.g. transformer blocks)."
@@ -213,25 +167,14 @@ def unit_inputs(model: nn.Module, units: Sequence[str], *inputs: Any
         model.get_submodule(path)  # a wrong path fails here, by name
     hooks = [model.get_submodule(p).register_forward_pre_hook(pre_hook(p), with_kwargs=True)
              for p in units]
-    was_training = model.training
-    rng = torch.get_rng_state()
     try:
-        with FakeTensorMode(allow_non_fake_inputs=False) as fake:
-            state = functional_state(model, {k: fake.from_tensor(v) for k, v in list(
-                model.named_parameters()) + list(model.named_buffers())})
-            args = tuple(fake.from_tensor(x) if isinstance(x, torch.Tensor) else x
-                         for x in inputs)
-            model.train()
-            with torch.enable_grad():
-                functional_call(model, state, args, tie_weights=False)
+        fake_forward(model, inputs)
     finally:
         for h in hooks:
             h.remove()
-        model.train(was_training)
-        torch.set_rng_state(rng)
     missing = [p for p in units if p not in seen]
     if missing:
-        raise MemplanError(f"plan_units: units {missing} were not called by the forward.")
+        raise ConfigError(f"plan_units: units {missing} were not called by the forward.")
     return seen
 
 
@@ -247,16 +190,44 @@ def plan_units(model: nn.Module, units: Sequence[str], *inputs: Any, loss_fn: An
     units get the same budget fraction of their plain peak, the largest fraction (least
     recomputation) whose predicted rank peak (``RankBudget``) fits ``budget`` (a unit that
     cannot reach a fraction gets its least-memory plan). Without a budget every unit gets
-    ``planner``'s plan without a budget (for 'optimal': the least peak). Deterministic: every rank gets the same
-    plans for the same shapes (check with ``fingerprint``).
+    ``planner``'s plan without a budget (for 'optimal': the least peak). Deterministic: every
+    rank gets the same plans for the same shapes (check with ``fingerprint``).
     """
-    from memplan.apply import apply, unapply
-    from memplan.capture import capture
-    from memplan.measure import measure
-    from memplan.planning import plan
-
     if world_size < 1:
         raise bad_arg("world_size", "an integer >= 1", world_size, "Pass dist.get_world_size().")
+    paths = _check_units(units)
+    total = None if budget is None else parse_budget(budget)
+    examples = unit_inputs(model, paths, *inputs)
+    graphs = {p: capture(model.get_submodule(p), *examples[p], loss_fn=_unit_loss)
+              for p in paths}
+
+    def predict(plans: dict[str, Plan]) -> RankBudget:
+        return rank_budget(model, paths, plans, inputs, loss_fn, world_size)
+
+    def at(fraction: float | None) -> dict[str, Plan]:
+        out: dict[str, Plan] = {}
+        for p in paths:
+            try:
+                out[p] = make_plan(graphs[p], budget=fraction, planner=planner)
+            except BudgetTooSmall:
+                out[p] = make_plan(graphs[p], budget=None, planner="optimal")
+        return out
+
+    if total is None:
+        plans = at(None)
+        return UnitPlans(paths, plans, predict(plans), None, None)
+    plain = predict({})
+    if plain.peak_bytes <= total:
+        return UnitPlans(paths, {}, plain, total, 1.0)
+    for fraction in (*FRACTIONS, None):  # None: each unit's least-memory plan
+        plans = at(fraction)
+        rank = predict(plans)
+        if rank.peak_bytes <= total:
+            return UnitPlans(paths, plans, rank, total, fraction)
+    raise budget_too_small(total, rank.peak_bytes, planner)
+
+
+def _check_units(units: Sequence[str]) -> tuple[str, ...]:
     paths = tuple(units)
     if not paths or len(set(paths)) != len(paths):
         raise bad_arg("units", "distinct module paths of FSDP units", units,
@@ -266,56 +237,29 @@ def plan_units(model: nn.Module, units: Sequence[str], *inputs: Any, loss_fn: An
             if a != b and b.startswith(a + "."):
                 raise bad_arg("units", "units that do not contain one another", (a, b),
                               "FSDP units are planned one by one: pass disjoint modules.")
-    total = None if budget is None else parse_budget(budget)
-    examples = unit_inputs(model, paths, *inputs)
-    graphs = {p: capture(model.get_submodule(p), *examples[p], loss_fn=_unit_loss)
-              for p in paths}
-    mods = [model.get_submodule(p) for p in paths]
+    return paths
+
+
+def rank_budget(model: nn.Module, units: Sequence[str], plans: dict[str, Plan],
+                inputs: tuple[Any, ...], loss_fn: Any, world_size: int) -> RankBudget:
+    """One rank's predicted peak, FSDP units ``units``, ``plans`` applied to theirs
+    (simulated step)."""
+    for p, pl in plans.items():
+        apply(model.get_submodule(p), pl)
+    try:
+        rep = measure(model, *inputs, loss_fn=loss_fn, simulate=True)
+    finally:
+        for p in plans:
+            unapply(model.get_submodule(p))
+    mods = [model.get_submodule(p) for p in units]
     root_bytes = trainable_bytes([model]) - trainable_bytes(mods)
     largest = max(trainable_bytes([m]) for m in mods)
-
-    def predict(plans: dict[str, Plan]) -> RankBudget:
-        for p, pl in plans.items():
-            apply(model.get_submodule(p), pl)
-        try:
-            rep = measure(model, *inputs, loss_fn=loss_fn, simulate=True)
-        finally:
-            for p in plans:
-                unapply(model.get_submodule(p))
-        return RankBudget(world_size, rep.peak_bytes, rep.breakdown_at_peak["parameter"],
-                          rep.breakdown_at_peak["gradient"], root_bytes, largest)
-
-    def at(fraction: float | None) -> dict[str, Plan]:
-        out: dict[str, Plan] = {}
-        for p in paths:
-            try:
-                out[p] = plan(graphs[p], budget=fraction, planner=planner)
-            except BudgetTooSmall:
-                out[p] = plan(graphs[p], budget=None, planner="optimal")
-        return out
-
-    if total is None:
-        plans = at(None)
-        return UnitPlans(paths, plans, predict(plans), None, None)
-    plain = predict({})
-    if plain.peak_bytes <= total:
-        return UnitPlans(paths, {}, plain, total, 1.0)
-    for fraction in FRACTIONS:
-        plans = at(fraction)
-        rank = predict(plans)
-        if rank.peak_bytes <= total:
-            return UnitPlans(paths, plans, rank, total, fraction)
-    plans = at(None)  # each unit's least-memory plan
-    rank = predict(plans)
-    if rank.peak_bytes <= total:
-        return UnitPlans(paths, plans, rank, total, None)
-    raise BudgetTooSmall(total, rank.peak_bytes, planner)
+    return RankBudget(world_size, rep.peak_bytes, rep.breakdown_at_peak["parameter"],
+                      rep.breakdown_at_peak["gradient"], root_bytes, largest)
 
 
 def apply_units(model: nn.Module, plans: UnitPlans) -> nn.Module:
     """Apply each unit's plan to its module (call before ``fully_shard``); returns ``model``."""
-    from memplan.apply import apply
-
     for path in plans.units:
         if path in plans.plans:
             apply(model.get_submodule(path), plans.plans[path])

@@ -7,12 +7,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from memplan.errors import bad_arg
+
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, d_model: int, heads: int, dropout: float) -> None:
         super().__init__()
         if d_model % heads:
-            raise ValueError(f"d_model={d_model} must be divisible by heads={heads}")
+            raise bad_arg("d_model", f"a multiple of heads={heads}", d_model,
+                          "Pick d_model and heads with d_model % heads == 0, e.g. 256 and 4.")
         self.heads = heads
         self.qkv = nn.Linear(d_model, 3 * d_model)
         self.proj = nn.Linear(d_model, d_model)

@@ -1,0 +1,84 @@
+"""Memory budgets: bytes, "6GiB"/"7GB"/"512MiB" strings, or a fraction of the plain peak."""
+
+from __future__ import annotations
+
+import re
+
+from memplan.errors import BudgetTooSmall, bad_arg
+
+GB = 10**9  # the decimal gigabyte of the paper's figures (and of torch's docs)
+UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+         "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+_ACCEPTED = ("an int of bytes (> 0), a string like '6GiB', '7GB' or '512MiB', "
+             "or a float fraction of the plain peak in (0, 1]")
+
+
+def budget_too_small(budget_bytes: int, least_peak_bytes: int, planner: str,
+                     hint: str | None = None) -> BudgetTooSmall:
+    """The refusal when nothing fits: the budget, the least feasible peak, and what to do."""
+    fix = hint if hint is not None else (
+        ", or try planner='optimal' (it reaches the lowest peaks)." if planner != "optimal"
+        else ".")
+    return BudgetTooSmall(
+        budget_bytes, least_peak_bytes, planner,
+        f"budget {format_bytes(budget_bytes)} ({budget_bytes:,} B) is below the least feasible "
+        f"peak {format_bytes(least_peak_bytes)} ({least_peak_bytes:,} B) of planner "
+        f"'{planner}'. Raise the budget to at least {least_peak_bytes:,} B{fix}")
+
+
+_INT = re.compile(r"^\s*[0-9]+\s*$")
+_FLOAT = re.compile(r"^\s*[0-9]*\.[0-9]+\s*$|^\s*[0-9]+\.[0-9]*\s*$")
+
+
+def budget_from_text(text: str | None) -> object:
+    """Budget text (the command line's) -> what ``parse_budget`` accepts: '6GiB' (str), '0.25' (fraction of the
+    plain peak), '5000000000' (bytes)."""
+    if text is None:
+        return None
+    if _INT.match(text):
+        return int(text)
+    if _FLOAT.match(text):
+        return float(text)
+    return text
+
+
+def parse_budget(budget: object, plain_peak_bytes: int | None = None) -> int:
+    """The budget in bytes. Fractions need ``plain_peak_bytes``."""
+    if isinstance(budget, bool) or budget is None:
+        raise bad_arg("budget", _ACCEPTED, budget, "Pass e.g. budget='6GiB'.")
+    if isinstance(budget, int):
+        if budget <= 0:
+            raise bad_arg("budget", _ACCEPTED, budget, "Pass a positive number of bytes.")
+        return budget
+    if isinstance(budget, float):
+        if not 0.0 < budget <= 1.0:
+            raise bad_arg("budget", _ACCEPTED, budget,
+                          "A float is a fraction of the plain peak, e.g. 0.25; for bytes pass an "
+                          "int or a string like '6GiB'.")
+        if plain_peak_bytes is None:
+            raise bad_arg("budget", "bytes or a size string here (no plain peak known)", budget,
+                          "Pass e.g. budget='6GiB'.")
+        return max(1, int(budget * plain_peak_bytes))
+    if isinstance(budget, str):
+        m = _PATTERN.match(budget)
+        unit = m.group(2).lower() if m else ""
+        if m is None or unit not in UNITS:
+            raise bad_arg("budget", _ACCEPTED, budget,
+                          f"Use a number and one of the units {sorted(UNITS, key=lambda u: UNITS[u])}, "
+                          "e.g. '6GiB' (2**30 B) or '7GB' (10**9 B).")
+        value = int(float(m.group(1)) * UNITS[unit])
+        if value <= 0:
+            raise bad_arg("budget", _ACCEPTED, budget, "Pass a positive size.")
+        return value
+    raise bad_arg("budget", _ACCEPTED, type(budget).__name__, "Pass e.g. budget='6GiB'.")
+
+
+def format_bytes(n: float) -> str:
+    """Bytes for people, in binary units: 1536 -> '1.50 KiB' (the one formatter)."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024:
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    return f"{value:.2f} TiB"

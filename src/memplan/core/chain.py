@@ -1,0 +1,363 @@
+"""The chain (stage) view of a Graph and the memory/cost model of a plan: torch-free.
+
+A plan splits the forward at cut points into stages and runs each stage in one of three modes
+(the paper's mirror count m(v), Alg. 2):
+
+* ``keep``: run plainly, autograd keeps what it saves (m = 0);
+* ``drop-cheap``: a one-stage non-reentrant checkpoint with a selective policy: outputs of
+  expensive ops (conv, matmul) are kept, cheap ones recomputed in backward (Sec. 4.2);
+* inside a ``recompute`` region: a non-reentrant ``checkpoint`` over stages s..e; only its
+  input is kept; in backward the region's body is re-run (nested regions inside it again only
+  keep their inputs) and backpropagated (Alg. 1, recursion of Sec. 4.4).
+
+All costs come from the plain eager trace in the Graph. ``simulate`` predicts a plan's peak
+with exactly the model the optimal planner optimises (``planners.optimal``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from operator import attrgetter
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from memplan.core import graph as g
+from memplan.core.ops import is_expensive
+
+I64 = npt.NDArray[np.int64]
+
+@dataclass
+class Chain:
+    """Per-stage costs (arrays of length K, bytes and FLOPs). Stage s is forward ops
+    ``first[s] .. last[s]``; its output boundary is the Graph's cut after ``last[s]``."""
+
+    fingerprint: str
+    first: I64
+    last: I64
+    modules: tuple[str, ...]
+    f: I64  # forward FLOPs
+    b: I64  # backward FLOPs
+    x: I64  # bytes live across the cut after the stage (a checkpoint's size)
+    xbar: I64  # bytes a plain run of the stage keeps for backward, its output included
+    d: I64  # part of x nobody saves: freed once the next plain stage has read it
+    xsac: I64  # bytes a drop-cheap stage keeps (expensive ops' outputs and its output)
+    xsac_b: I64  # bytes resident at a drop-cheap stage's backward (kept + recomputed)
+    fcheap: I64  # FLOPs a drop-cheap stage recomputes
+    tf: I64  # forward transient of a plain run, above the live bytes at the stage's start
+    tf0: I64  # the same when nothing is saved (inside a region's first forward)
+    tb: I64  # backward transient above the live bytes when the stage's backward starts
+    gb: I64  # gradient-side bytes (param grads so far, incoming grads) at its backward start
+    base_bytes: int  # parameters, buffers, inputs: live all step
+    step_flops: int
+    cheap_ops: tuple[tuple[int, ...], ...] = field(default=())  # drop-cheap's recomputed ops
+    # The runtime replays a recomputed scope op by op and frees each value after its last
+    # use, where the user's Python keeps locals to the end of a call: transients of a replay
+    # are smaller. None: as the plain ones (tf, tf0).
+    tfr: I64 | None = None  # a kept stage replayed in a region's backward (saves kept)
+    tfr0: I64 | None = None  # a nested region's ops replayed inside its parent's replay
+    tfs: I64 | None = None  # a drop-cheap stage's forward (cheap outputs not kept)
+
+    @property
+    def n(self) -> int:
+        return int(self.f.shape[0])
+
+    @property
+    def tf_replay(self) -> I64:
+        return self.tf if self.tfr is None else self.tfr
+
+    @property
+    def tf0_replay(self) -> I64:
+        return self.tf0 if self.tfr0 is None else self.tfr0
+
+    @property
+    def tf_sac(self) -> I64:
+        return self.tf if self.tfs is None else self.tfs
+
+    @property
+    def need_sac_b(self) -> I64:
+        """Bytes above the stage's start at a drop-cheap stage's backward, bounded from above:
+        its kept and recomputed values (xsac_b) at its plain backward's peak transient (the
+        replay happens when backward first reads a recomputed value, usually earlier)."""
+        return self.xsac_b + self.gb + self.tb
+
+
+def clean_cuts(graph: g.Graph) -> list[int]:
+    """Indices of the cut points usable as chain boundaries: each cut's live values must all
+    be made after the previous chosen cut (a long skip makes a cut unusable: Sec. 4.3's chain
+    assumption; the ILP planner handles such graphs). The end of the forward is always one."""
+    ga = graph_arrays(graph)
+    chosen: list[int] = []
+    prev_after = -1
+    last = len(ga.cut_after) - 1
+    for i, (after, first_made) in enumerate(zip(ga.cut_after.tolist(), ga.cut_min_producer.tolist())):
+        if i == last or first_made > prev_after:
+            chosen.append(i)
+            prev_after = after
+    return chosen
+
+
+@dataclass(frozen=True)
+class GraphArrays:
+    """A Graph's fields as numpy arrays (one pass over its Python objects), its live-bytes
+    timeline and fingerprint: what ``build_chain`` reads, computed once per Graph object."""
+
+    fingerprint: str
+    n_ops: int
+    nbytes: I64  # per value
+    birth: I64
+    death: I64  # NO_DEATH when alive after the step
+    producer: I64
+    activation: npt.NDArray[np.bool_]
+    last_fwd_use: I64  # last forward op reading or writing the value, -1 if none
+    fwd_flops: I64  # per forward op
+    bwd_flops: I64
+    expensive: npt.NDArray[np.bool_]
+    has_outputs: npt.NDArray[np.bool_]
+    out_op: I64  # (op, value) pairs of the forward ops' outputs
+    out_vid: I64
+    grad_of: I64  # per backward op
+    timeline: I64  # live bytes per event (Graph.live_bytes_timeline)
+    died: I64  # bytes freed at each event (length n_events + 1)
+    born0: int  # bytes born at event 0
+    base_bytes: int
+    step_flops: int
+    cut_after: I64
+    cut_bytes: I64
+    cut_min_producer: I64  # earliest producer among a cut's live values (n_ops if none)
+
+
+NO_DEATH = np.iinfo(np.int64).max
+_ARRAYS: dict[int, tuple[weakref.ref[g.Graph], GraphArrays]] = {}
+
+
+def graph_arrays(graph: g.Graph) -> GraphArrays:
+    """The arrays of ``graph``, cached while the Graph object lives (Graphs are immutable)."""
+    hit = _ARRAYS.get(id(graph))
+    if hit is not None and hit[0]() is graph:
+        return hit[1]
+    ga = _extract(graph)
+    key = id(graph)
+    _ARRAYS[key] = (weakref.ref(graph, lambda _r: _ARRAYS.pop(key, None)), ga)
+    return ga
+
+
+def _ints(objs: Sequence[Any], attr: str) -> I64:
+    return np.fromiter(map(attrgetter(attr), objs), np.int64, len(objs))
+
+
+def _flat(objs: Sequence[Any], attr: str) -> tuple[I64, I64]:
+    """(owner index, item) pairs of the tuples ``obj.attr`` of every object."""
+    lists = list(map(attrgetter(attr), objs))
+    lens = np.fromiter(map(len, lists), np.int64, len(lists))
+    items = np.fromiter(itertools.chain.from_iterable(lists), np.int64, int(lens.sum()))
+    return np.repeat(np.arange(len(lists), dtype=np.int64), lens), items
+
+
+def _extract(graph: g.Graph) -> GraphArrays:
+    values, ops, bops, cuts = graph.values, graph.ops, graph.backward_ops, graph.cut_points
+    n_ops, n_events = len(ops), len(ops) + len(bops)
+    nbytes, birth, producer = _ints(values, "nbytes"), _ints(values, "birth"), _ints(values, "producer")
+    death = np.fromiter((NO_DEATH if d is None else d for d in map(attrgetter("death"), values)),
+                        np.int64, len(values))
+    activation = np.fromiter((k == g.ACTIVATION for k in map(attrgetter("kind"), values)),
+                             np.bool_, len(values))
+    last_fwd_use = np.full(len(values), -1, dtype=np.int64)
+    for attr in ("inputs", "mutated"):
+        op_i, vid = _flat(ops, attr)
+        np.maximum.at(last_fwd_use, vid, op_i)
+    by_target: dict[str, bool] = {}
+    for t in dict.fromkeys(map(attrgetter("target"), ops)):
+        by_target[t] = is_expensive(t)
+    expensive = np.fromiter(map(by_target.__getitem__, map(attrgetter("target"), ops)),
+                            np.bool_, n_ops)
+    out_op, out_vid = _flat(ops, "outputs")
+    has_outputs = np.bincount(out_op, minlength=n_ops) > 0
+    # Graph.live_bytes_timeline, vectorised: bytes live at each event after its outputs exist.
+    pre = birth < 0
+    born = np.zeros(n_events + 1, dtype=np.int64)
+    np.add.at(born, birth[~pre], nbytes[~pre])
+    died = np.zeros(n_events + 1, dtype=np.int64)
+    dead = death != NO_DEATH
+    np.add.at(died, death[dead], nbytes[dead])
+    cum_died = np.concatenate(([0], np.cumsum(died[: n_events - 1]))) if n_events else died[:0]
+    timeline = int(nbytes[pre].sum()) + np.cumsum(born[:n_events]) - cum_died
+    fwd_flops, bwd_flops = _ints(ops, "fwd_flops"), _ints(ops, "bwd_flops")
+    cut_i, live = _flat(cuts, "live")
+    min_prod = np.full(len(cuts), n_ops, dtype=np.int64)
+    np.minimum.at(min_prod, cut_i, producer[live])
+    return GraphArrays(
+        fingerprint=graph.fingerprint, n_ops=n_ops, nbytes=nbytes, birth=birth, death=death,
+        producer=producer, activation=activation, last_fwd_use=last_fwd_use,
+        fwd_flops=fwd_flops, bwd_flops=bwd_flops, expensive=expensive, has_outputs=has_outputs,
+        out_op=out_op, out_vid=out_vid, grad_of=_ints(bops, "grad_of"), timeline=timeline,
+        died=died, born0=int(born[0]), base_bytes=int(nbytes[pre].sum()),
+        step_flops=int(fwd_flops.sum()) + int(_ints(bops, "fwd_flops").sum()),
+        cut_after=_ints(cuts, "after"), cut_bytes=_ints(cuts, "live_bytes"),
+        cut_min_producer=min_prod,
+    )
+
+
+def build_chain(graph: g.Graph, cuts: list[int] | None = None) -> Chain:
+    """The chain over the given cut-point indices (default: all clean cuts)."""
+    ga = graph_arrays(graph)
+    cut_idx = np.array(clean_cuts(graph) if cuts is None else list(cuts), dtype=np.int64)
+    st = _stages(ga, cut_idx)
+    x, xbar, d, xsac, xsac_b = _stage_bytes(graph, ga, st, cut_idx)
+    f, b, fcheap, cheap = _stage_flops(ga, st)
+    tf, tf0, tfr, tfr0, tfs = _forward_transients(ga, st)
+    tb, gb = _backward_transients(ga, st, xbar, d)
+    # Stages wholly after the model's forward (the loss) run outside the model, where the
+    # runtime cannot recompute: make recomputing them cost more than any plain step.
+    n_model = graph.forward.ops if graph.forward else None
+    if n_model is not None and bool((st.firsts >= n_model).any()):
+        outside = st.firsts >= n_model
+        big = int(ga.base_bytes + xbar.sum() + tf.max() + tb.max() + np.abs(gb).max()) + 1
+        xsac, xsac_b, tf0, tfr0, tfs = (np.where(outside, big, a)
+                                         for a in (xsac, xsac_b, tf0, tfr0, tfs))
+    return Chain(
+        fingerprint=ga.fingerprint, first=st.firsts, last=st.afters.copy(),
+        modules=tuple(graph.cut_points[int(i)].module for i in cut_idx), f=f, b=b, x=x,
+        xbar=xbar, d=d, xsac=xsac, xsac_b=xsac_b, fcheap=fcheap, tf=tf, tf0=tf0, tb=tb, gb=gb,
+        base_bytes=ga.base_bytes, step_flops=ga.step_flops, cheap_ops=cheap, tfr=tfr,
+        tfr0=tfr0, tfs=tfs,
+    )
+
+
+@dataclass(frozen=True)
+class _Stages:
+    """Which stage each op and each activation belongs to."""
+
+    k: int
+    firsts: I64  # first op of each stage
+    afters: I64  # last op of each stage (its cut)
+    span: int  # ops up to the last cut
+    stage_of_op: I64  # ops after the last cut: stage 0
+    made: npt.NDArray[np.bool_]  # values made by a forward op (activations)
+    v_stage: I64  # the stage that made each value (0 for others)
+    retained: npt.NDArray[np.bool_]  # kept for backward (or alive after the step)
+
+
+def _stages(ga: GraphArrays, cut_idx: I64) -> _Stages:
+    afters = ga.cut_after[cut_idx]
+    k = len(afters)
+    firsts = np.concatenate(([0], afters[:-1] + 1))
+    stage_of_op = np.zeros(ga.n_ops, dtype=np.int64)
+    span = int(afters[-1]) + 1
+    stage_of_op[:span] = np.repeat(np.arange(k), afters - firsts + 1)
+    made = ga.activation & (ga.producer >= 0)
+    v_stage = stage_of_op[np.where(made, ga.producer, 0)]
+    return _Stages(k, firsts, afters, span, stage_of_op, made, v_stage, ga.death >= ga.n_ops)
+
+
+def _stage_bytes(graph: g.Graph, ga: GraphArrays, st: _Stages, cut_idx: I64
+                 ) -> tuple[I64, I64, I64, I64, I64]:
+    """x (a checkpoint's bytes), xbar (what a plain run keeps), d (the part of x nobody
+    saves), xsac and xsac_b (what a drop-cheap stage keeps, and holds at its backward)."""
+    nbytes, nv, k, retained = ga.nbytes, len(ga.nbytes), st.k, st.retained
+    kept = _exact_sum(st.v_stage, nbytes, st.made & retained, k)
+    # Cut live sets: x_kept, and which expensive outputs each stage's cut carries.
+    cut_of, live = _flat([graph.cut_points[int(i)] for i in cut_idx], "live")
+    pairs = np.unique(cut_of * nv + live)
+    cut_of, live = pairs // nv, pairs % nv
+    x = ga.cut_bytes[cut_idx]
+    x_kept = _exact_sum(cut_of, nbytes[live], retained[live], k)
+    exp = ga.expensive[ga.out_op]
+    ex_pairs = np.unique(st.stage_of_op[ga.out_op[exp]] * nv + ga.out_vid[exp])
+    ex_pairs = ex_pairs[~np.isin(ex_pairs, pairs)]
+    ex_stage, ex_vid = ex_pairs // nv, ex_pairs % nv
+    exp_kept = _exact_sum(ex_stage, nbytes[ex_vid], retained[ex_vid], k)
+    not_kept_exp = _exact_sum(ex_stage, nbytes[ex_vid], ~retained[ex_vid], k)
+    d = x - x_kept
+    return x, kept + d, d, x + exp_kept + not_kept_exp, kept + d + not_kept_exp
+
+
+def _stage_flops(ga: GraphArrays, st: _Stages
+                 ) -> tuple[I64, I64, I64, tuple[tuple[int, ...], ...]]:
+    """Forward and backward FLOPs per stage, the FLOPs drop-cheap recomputes, and its ops."""
+    k, stage_of_op = st.k, st.stage_of_op
+    ops_all = np.ones(ga.n_ops, dtype=np.bool_)
+    f = _exact_sum(stage_of_op, ga.fwd_flops, ops_all, k)
+    b = _exact_sum(stage_of_op, ga.bwd_flops, ops_all, k)
+    cheap_mask = ~ga.expensive & ga.has_outputs
+    fcheap = _exact_sum(stage_of_op, ga.fwd_flops, cheap_mask, k)
+    cheap_idx = np.nonzero(cheap_mask)[0]
+    cheap_stage = stage_of_op[cheap_idx]
+    order = np.argsort(cheap_stage, kind="stable")
+    bounds = np.cumsum(np.bincount(cheap_stage, minlength=k))[:-1]
+    cheap = tuple(tuple(p.tolist()) for p in np.split(cheap_idx[order], bounds))
+    return f, b, fcheap, cheap
+
+
+def _forward_transients(ga: GraphArrays, st: _Stages) -> tuple[I64, I64, I64, I64, I64]:
+    """Peaks above a stage's start: tf (plain, from the trace), tf0 (nothing saved: spans
+    birth .. death, or last forward use when kept), and the runtime's replays (``replay``):
+    tfr (a kept stage replayed: saved values stay), tfr0 (a nested region's ops replayed:
+    each value lives to its last use), tfs (a drop-cheap stage's first forward: expensive
+    outputs kept, the rest die as in the plain run)."""
+    tl, died, firsts, span = ga.timeline, ga.died, st.firsts, st.span
+    start = np.where(firsts > 0, tl[np.maximum(firsts - 1, 0)] - died[np.maximum(firsts - 1, 0)],
+                     tl[0] - ga.born0)
+    tf = np.maximum.reduceat(tl[:span], firsts) - start
+    end = np.where(st.retained, np.where(ga.last_fwd_use >= 0, ga.last_fwd_use, ga.birth),
+                   ga.death)
+    end = np.maximum(end, ga.birth)
+    last_use = np.maximum(np.where(ga.last_fwd_use >= 0, ga.last_fwd_use, ga.birth), ga.birth)
+    exp_value = np.zeros(len(ga.nbytes), dtype=np.bool_)
+    exp_value[ga.out_vid[ga.expensive[ga.out_op]]] = True
+    stage_end = st.afters[st.v_stage]
+    tf0, tfr, tfr0, tfs = (
+        _stage_peaks(ga.birth, end_, st.made, ga.nbytes, firsts, st.afters, st.v_stage, span,
+                     ga.n_ops)
+        for end_ in (end, np.where(st.retained, stage_end, last_use), last_use,
+                     np.where(exp_value, stage_end, end)))
+    return tf, tf0, tfr, tfr0, tfs
+
+
+def _backward_transients(ga: GraphArrays, st: _Stages, xbar: I64, d: I64) -> tuple[I64, I64]:
+    """tb: the peak of a stage's backward above the live bytes when it starts; gb: the
+    gradient-side bytes (parameter grads so far, incoming grads) at its start. Backward ops
+    are grouped by the stage whose gradient they compute."""
+    k, n_ops, tl, died = st.k, ga.n_ops, ga.timeline, ga.died
+    go = ga.grad_of
+    bstage = np.minimum.accumulate(np.where(go >= 0, st.stage_of_op[np.maximum(go, 0)], k - 1))
+    neg = -bstage
+    s_all = -np.arange(k)
+    b_start = np.searchsorted(neg, s_all, side="left")
+    b_end = np.searchsorted(neg, s_all, side="right")
+    has = b_end > b_start
+    e0b = np.where(has, n_ops + b_start, np.minimum(n_ops + b_end, len(tl)))
+    lb_pre = tl[e0b - 1] - died[e0b - 1]
+    tb = np.zeros(k, dtype=np.int64)
+    if has.any():
+        starts = np.sort(b_start[has])
+        seg_max = np.maximum.reduceat(tl[n_ops:], starts)
+        order_s = np.argsort(b_start[has])
+        tb_has = np.empty(int(has.sum()), dtype=np.int64)
+        tb_has[order_s] = seg_max
+        tb[has] = tb_has - lb_pre[has]
+    resident = np.cumsum(xbar - np.concatenate(([0], d[:-1])))
+    return tb, lb_pre - ga.base_bytes - resident
+
+
+def _stage_peaks(birth: I64, end: I64, made: npt.NDArray[np.bool_], nbytes: I64, firsts: I64,
+                 afters: I64, v_stage: I64, span: int, n_ops: int) -> I64:
+    """Per stage: the peak over its ops of the bytes of values it made that are alive
+    (birth <= op <= end, clipped to the stage)."""
+    b0 = np.maximum(birth, firsts[v_stage])[made]
+    e0 = np.minimum(np.maximum(end, birth), afters[v_stage])[made] + 1
+    delta = np.zeros(n_ops + 2, dtype=np.int64)
+    np.add.at(delta, b0, nbytes[made])
+    np.subtract.at(delta, e0, nbytes[made])
+    return np.maximum.reduceat(np.cumsum(delta)[:span], firsts)
+
+
+def _exact_sum(group: I64, vals: I64, mask: npt.NDArray[np.bool_], k: int) -> I64:
+    """Per-group int64 sums of ``vals`` where ``mask`` (np.add.at: exact, unlike bincount)."""
+    out = np.zeros(k, dtype=np.int64)
+    np.add.at(out, group[mask], vals[mask])
+    return out

@@ -1,0 +1,168 @@
+"""What ``memplan.apply`` learns from one forward of the model on fake tensors (no memory,
+nothing of the model changed): its op sequence (checked against the plan's), where the calls
+of the plan's stage-ending modules end, its module calls and which of them write tensors from
+outside themselves, and the lifetime of every value it makes (from which the units are chosen,
+``units``)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import weakref
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from memplan.runtime import units as U
+from memplan.runtime.tape import WRITE_ONLY, tensors, written_tensors
+from memplan.tracing.fake import fake_forward
+from memplan.tracing.step import no_cyclic_gc
+from memplan.tracing.tracer import is_counted
+
+
+@dataclass
+class FakeForward:
+    """One training-mode forward of a model on fake tensors."""
+
+    targets: list[str]  # its ops, counted as capture counts them
+    call_ends: dict[str, list[int]]  # for watched modules: op count at the end of each call
+    calls: list[U.Call]  # its module calls (units are chosen among them)
+    values: U.Values  # lifetimes of the values it makes
+
+
+def probe(model: nn.Module, inputs: Sequence[Any] | None, specs: Sequence[dict[str, Any]] = (),
+          autocast: dict[str, str] | None = None, watch: Sequence[str] = ()) -> FakeForward:
+    """Run the forward on fake tensors (from ``inputs``, or the plan's input ``specs``) and
+    watch it. Exceptions of the model's own code propagate."""
+    names = {id(m): path for path, m in model.named_modules()}
+    counter = _Count()
+    call_ends: dict[str, list[int]] = {path: [] for path in watch}
+    open_calls: list[tuple[str, int, int]] = []
+    numbers: dict[str, int] = {}
+    calls: list[tuple[str, int, int, int]] = []
+
+    def pre(mod: nn.Module, args: Any) -> None:
+        path = names.get(id(mod))
+        if path is None:
+            return
+        numbers[path] = numbers.get(path, 0) + 1
+        open_calls.append((path, numbers[path], len(counter.targets)))
+        if isinstance(mod, nn.modules.batchnorm._NormBase):  # its (fake) statistics
+            counter.stats.update(id(getattr(mod, k, None)) for k in _NORM_STATS)
+
+    def post(mod: nn.Module, args: Any, out: Any) -> None:
+        path = names.get(id(mod))
+        if path is None:
+            return
+        if path in call_ends:
+            call_ends[path].append(len(counter.targets))
+        while open_calls:
+            p, n, start = open_calls.pop()
+            if p == path:
+                calls.append((p, n, start, len(counter.targets)))
+                break
+
+    # Values die by reference counting, in order; a forward failing on fake tensors is
+    # reported by the caller, not logged by torch.
+    with no_cyclic_gc(), _quiet_fake_tensor_log():
+        out = fake_forward(model, inputs, specs, autocast,
+                           within=[_global_module_hooks(pre, post), counter])
+        counter.kept = set(counter.live.values())  # saved for backward, or the output
+        del out
+    return FakeForward(counter.targets, call_ends, _calls(model, calls, counter),
+                       counter.lifetimes())
+
+
+_NORM_STATS = ("running_mean", "running_var", "num_batches_tracked")
+
+
+def _calls(model: nn.Module, calls: list[tuple[str, int, int, int]], count: _Count
+           ) -> list[U.Call]:
+    """Module calls of the fake forward; safe when none of its ops writes a tensor made
+    before the call (BatchNorm statistics excepted). Calls of the root and of modules with
+    their own instance forward are never units."""
+    out = []
+    for path, number, start, end in calls:
+        if not path or "forward" in model.get_submodule(path).__dict__:
+            continue
+        safe = all(count.outside[i] >= start for i in range(start, end))
+        out.append(U.Call(path, number, start, end, safe))
+    return out
+
+
+class _Count(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Counts the forward's ops as capture does. For each op, the earliest op that made a
+    tensor it writes (parameters, buffers, inputs: -1; BatchNorm statistics ignored); for
+    each storage an op makes, when it was made, last read and freed (in op counts)."""
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.targets: list[str] = []
+        self.outside: list[int] = []
+        self.values: list[list[int]] = []  # [made, last read, freed (-1: alive), bytes]
+        self.live: dict[int, int] = {}  # storage -> value
+        self.kept: set[int] = set()  # values alive when the forward returned
+        self.stats: set[int] = set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if not is_counted(func):
+            return out
+        index = len(self.targets)
+        self.targets.append(str(func))
+        for t in tensors((args, kwargs)):
+            vid = self.live.get(t.untyped_storage()._cdata)
+            if vid is not None:
+                self.values[vid][1] = index
+        first = index
+        for t, mode in written_tensors(func, args, kwargs):
+            if id(t) in self.stats or mode == WRITE_ONLY:
+                continue
+            vid = self.live.get(t.untyped_storage()._cdata)
+            first = min(first, -1 if vid is None else self.values[vid][0])
+        self.outside.append(first)
+        for o in tensors(out):
+            storage = o.untyped_storage()
+            key = storage._cdata
+            if key not in self.live:
+                self.live[key] = len(self.values)
+                weakref.finalize(storage, self._died, key, len(self.values))
+                self.values.append([index, index, -1, int(storage.nbytes())])
+        return out
+
+    def _died(self, key: int, vid: int) -> None:
+        self.values[vid][2] = len(self.targets)
+        if self.live.get(key) == vid:
+            del self.live[key]
+
+    def lifetimes(self) -> U.Values:
+        made, read, freed, nbytes = ([v[i] for v in self.values] for i in range(4))
+        return U.Values(made, read, [-1 if i in self.kept else f for i, f in enumerate(freed)],
+                        nbytes)
+
+
+@contextlib.contextmanager
+def _quiet_fake_tensor_log() -> Iterator[None]:
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+@contextlib.contextmanager
+def _global_module_hooks(pre: Any, post: Any) -> Iterator[None]:
+    h1 = torch.nn.modules.module.register_module_forward_pre_hook(pre)
+    h2 = torch.nn.modules.module.register_module_forward_hook(post)
+    try:
+        yield
+    finally:
+        h1.remove()
+        h2.remove()

@@ -1,0 +1,365 @@
+"""Runs a model's own forward under a Plan: the paper's mirror nodes (Alg. 2) in eager PyTorch.
+
+The user's forward code runs unchanged. Forward hooks on the modules whose calls end the plan's
+stages follow the stages. Kept stages run plainly: no hook, no mode, autograd saves natively.
+While a recompute scope is current, saved-tensor hooks hand autograd a ``Handle`` instead of
+the scope's tensors, so they are freed after the forward; when backward first unpacks one, the
+scope is replayed from its kept inputs (Alg. 1), with the RNG state it started with, and every
+handle of the scope gets its value back. A scope's forward is written to a tape of two kinds
+of entries:
+
+* a *unit*: a whole module call inside the scope (a residual unit, a transformer block, an LSTM
+  step), found from the fake forward at apply time. It runs with no dispatch mode; its entry
+  keeps the call's arguments (tape positions, or outside tensors and their versions); its
+  saved tensors get handles by the order autograd saves them. Replay re-runs the call, as
+  ``torch.utils.checkpoint`` does, with the parameters and buffers it ran with, BatchNorm
+  statistics written to copies, and checks that it saves as many tensors as it did.
+* an *op*: an aten op outside units (glue code, and every op of a drop-cheap stage), recorded
+  by a ``TorchDispatchMode`` with its non-tensor arguments and, per tensor argument, the tape
+  position that made it or the outside tensor itself.
+
+* ``region``: nothing of the scope is kept; its replay runs all its entries, including those of
+  nested regions, whose inputs it hands over for their own replay later (Sec. 4.4).
+* ``drop-cheap``: outputs of expensive ops (conv, matmul) are kept; replay runs only the
+  cheap ops (Sec. 4.2).
+
+Replay never computes with a changed tensor: an outside tensor is read at the version it had
+when the scope read it (a copy taken when an op of a scope writes it, or an error naming it),
+and writes of outside tensors go to copies, so recomputation does not update BatchNorm's
+running statistics a second time (``torch.utils.checkpoint`` does). Nothing of a forward
+outlives its graph: handles are the only link from autograd to a scope, and nothing a scope
+holds leads back to the graph's nodes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from memplan.core.ops import is_expensive
+from memplan.runtime.layout import Layout, Template
+from memplan.runtime.replay import unpack
+from memplan.runtime.tape import (
+    READ,
+    SNAPSHOT,
+    Ext,
+    Handle,
+    Namer,
+    OpEntry,
+    Pos,
+    Ref,
+    Scope,
+    Tape,
+    UnitEntry,
+    UnitInfo,
+    autocast_state,
+    flatten_args,
+    flatten_tree,
+    rng_state,
+    storage_key,
+    tensor_leaves,
+    tensors,
+    written_ids,
+)
+
+_EXPENSIVE: dict[Any, bool] = {}
+
+
+class _Unit:
+    """The unit call running now: no dispatch mode; its saved tensors are counted."""
+
+    __slots__ = ("count", "depth", "entry", "path", "scope")
+
+    def __init__(self, scope: Scope, entry: int, path: str) -> None:
+        self.scope = scope
+        self.entry = entry
+        self.path = path
+        self.count = 0
+        self.depth = 0  # calls of the same module inside it (recursion)
+
+
+class StepState:
+    """One planned forward: follows the stages by module calls; while a recompute scope is
+    current, sets the saved-tensor hooks and, outside units, the dispatch mode that records
+    ops; records units; makes handles."""
+
+    def __init__(self, lay: Layout, infos: Callable[[str, torch.nn.Module], UnitInfo],
+                 namer: Namer) -> None:
+        self.layout = lay
+        self.infos = infos
+        self.namer = namer
+        self.stage = 0
+        self.template: Template | None = lay.template_of_stage[0] if lay.template_of_stage else None
+        self.calls: dict[str, int] = {}  # calls of stage-ending modules returned so far
+        self.starts: dict[str, int] = {}  # calls of unit modules started so far
+        self.top: Scope | None = None
+        self.scopes: dict[int, Scope] = {}  # template index -> instance (this forward)
+        self.unit: _Unit | None = None
+        self.snaps: dict[tuple[Any, ...], torch.Tensor] = {}
+        self.recorded_ops = 0  # tape entries (ops and units) this forward
+        self.units_run = 0
+        self.mode: PlanMode | None = None
+        self.hooked = False
+
+    @property
+    def current(self) -> Template | None:
+        return self.template
+
+    @property
+    def finished(self) -> bool:
+        """Whether every stage boundary of the plan was seen."""
+        return self.stage >= len(self.layout.end_calls) - 1
+
+    def start(self) -> None:
+        self._sync()
+
+    def stop(self) -> None:
+        self.unit = None
+        self.close_top()
+        self._set(False, False)
+        self.scopes.clear()  # from now on only autograd's handles keep scopes alive
+        self.snaps = {}
+
+    def on_call_end(self, path: str) -> None:
+        """A stage-ending module's call returned: maybe the next stage begins. Autograd saved
+        the last op's outputs before this, and saves the next op's inputs after it."""
+        n = self.calls.get(path, 0) + 1
+        self.calls[path] = n
+        ends = self.layout.end_calls
+        if self.stage < len(ends) and ends[self.stage] == (path, n):
+            self.stage += 1
+            stages = self.layout.template_of_stage
+            self.template = stages[self.stage] if self.stage < len(stages) else None
+            if self.unit is None:  # inside a unit, its scope goes on to the unit's end
+                self._sync()
+
+    def _sync(self) -> None:
+        t = self.template
+        if t is None or (self.top is not None and self.top.template is not _root(t)):
+            self.close_top()
+        self._set(t is not None, t is not None and self.unit is None)
+
+    def _set(self, hooked: bool, moded: bool) -> None:
+        if not moded and self.mode is not None:
+            self.mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+            self.mode = None
+        if hooked and not self.hooked:
+            torch._C._autograd._push_saved_tensors_default_hooks(self.pack, unpack)
+        elif self.hooked and not hooked:
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+        self.hooked = hooked
+        if moded and self.mode is None:
+            self.mode = PlanMode(self)
+            self.mode.__enter__()  # type: ignore[no-untyped-call]
+
+    def scope_for(self, t: Template) -> Scope:
+        s = self.scopes.get(t.index)
+        if s is not None:
+            return s
+        parent = self.scope_for(t.parent) if t.parent is not None else None
+        tape = Tape(self.snaps, self.namer) if parent is None else parent.tape
+        s = Scope(t, parent, tape, len(tape.entries), rng_state())
+        if parent is not None:
+            parent.children.append(weakref.ref(s))
+        else:
+            self.top = s
+        self.scopes[t.index] = s
+        return s
+
+    def close_top(self) -> None:
+        if self.top is not None:
+            self.top.tape.clear_index()  # later scopes keep this one's outputs as inputs
+            self.top = None
+
+    # units: whole module calls
+
+    def on_call_start(self, path: str, module: torch.nn.Module, args: tuple[Any, ...],
+                      kwargs: dict[str, Any]) -> None:
+        n = self.starts.get(path, 0) + 1
+        self.starts[path] = n
+        u = self.unit
+        if u is not None:
+            if path == u.path:
+                u.depth += 1
+            return
+        t = self.template
+        if t is None or t.kind != "region" or n not in self.layout.units.get(path, ()):
+            return
+        scope = self.scope_for(t)
+        tape = scope.tape
+        e = len(tape.entries)
+        entry = UnitEntry(module, path, self.infos(path, module))
+        flat, entry.spec = flatten_tree((args, kwargs))
+        refs: list[Pos] = []
+        for leaf in flat:
+            if not isinstance(leaf, torch.Tensor):
+                entry.leaves.append(leaf)
+                continue
+            entry.grads.append(leaf.requires_grad)
+            pos = tape.lookup(leaf)
+            if pos is not None:
+                entry.leaves.append(Ref(pos))
+                refs.append(pos)
+                _note_input(scope, pos)
+            else:
+                entry.leaves.append(Ext(leaf, leaf._version, READ))
+        entry.refs = tuple(refs)
+        entry.grad_enabled = torch.is_grad_enabled()
+        entry.autocast = autocast_state()
+        entry.bound = [s.holder[s.key] for s in entry.info.slots]
+        entry.versions = [-1 if b is None else b._version for b in entry.bound]
+        entry.bn_training = tuple(m.training for m in entry.info.norms)
+        tape.entries.append(entry)
+        _extend(scope, e)
+        self.recorded_ops += 1
+        self.units_run += 1
+        self.unit = _Unit(scope, e, path)
+        self._set(True, False)
+
+    def on_unit_end(self, path: str, out: Any) -> None:
+        u = self.unit
+        if u is None or path != u.path:
+            return
+        if u.depth:
+            u.depth -= 1
+            return
+        entry = u.scope.tape.entries[u.entry]
+        assert isinstance(entry, UnitEntry)
+        outs = tensor_leaves(out)
+        for j, o in enumerate(outs):
+            u.scope.tape.register(o, (u.entry, j))
+        entry.n_outputs = len(outs)
+        entry.n_saved = u.count
+        self.unit = None
+        self._sync()
+
+    # the dispatch side
+
+    def run_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        t = self.template
+        if t is None:  # a hook left the mode on: nothing to record
+            return func(*args, **kwargs)
+        self.recorded_ops += 1
+        return self._record(self.scope_for(t), func, args, kwargs)
+
+    def _record(self, scope: Scope, func: Any, args: tuple[Any, ...],
+                kwargs: dict[str, Any]) -> Any:
+        tape = scope.tape
+        e = len(tape.entries)
+        written = written_ids(func, args, kwargs)
+        flat, spec = flatten_args(args, kwargs)
+        leaves: list[Any] = []
+        refs: list[Pos] = []
+        for leaf in flat:
+            if not isinstance(leaf, torch.Tensor):
+                leaves.append(leaf)
+                continue
+            pos = tape.lookup(leaf)
+            if pos is not None:
+                leaves.append(Ref(pos))
+                refs.append(pos)
+                _note_input(scope, pos)
+                continue
+            mode = written.get(id(leaf), READ)
+            if mode == SNAPSHOT:
+                # An outside tensor written in place: replay reads its value from before,
+                # and so does every earlier read of it at that version.
+                snap = leaf.detach().clone()
+                tape.snaps[(storage_key(leaf), leaf._version)] = snap
+                leaves.append(Ext(snap, -1, SNAPSHOT))
+            else:
+                leaves.append(Ext(leaf, leaf._version, mode))
+        out = func(*args, **kwargs)
+        expensive = _EXPENSIVE.get(func)
+        if expensive is None:
+            expensive = _EXPENSIVE[func] = is_expensive(str(func))
+        held = expensive and scope.template.kind == "drop-cheap"
+        for k, o in enumerate(tensors(out)):
+            tape.register(o, (e, k))
+            if held:
+                tape.held[(e, k)] = o.detach()
+        tape.entries.append(OpEntry(func, spec, leaves, tuple(refs), expensive))
+        _extend(scope, e)
+        return out
+
+    # the autograd side
+
+    def pack(self, t: torch.Tensor) -> Any:
+        u = self.unit
+        if u is not None:
+            h = Handle(u.scope, (u.entry, u.count), True)
+            u.count += 1
+            u.scope.handles.append(weakref.ref(h))
+            return h
+        tmpl = self.template
+        top = self.top
+        if tmpl is None or top is None or _root(tmpl) is not top.template:
+            return t  # the input of a scope that has not started yet
+        pos = top.tape.lookup(t)
+        if pos is None:
+            return t  # from outside the scope: older than every node of it
+        while tmpl.index not in self.scopes and tmpl.parent is not None:
+            tmpl = tmpl.parent  # a nested scope whose first op is about to run
+        scope = self.scopes[tmpl.index]
+        while scope.parent is not None and pos[0] < scope.first_entry:
+            scope = scope.parent  # made before this nested scope: its parent replays it
+        h = Handle(scope, pos)
+        scope.handles.append(weakref.ref(h))
+        return h
+
+
+def _root(t: Template) -> Template:
+    while t.parent is not None:
+        t = t.parent
+    return t
+
+
+def _extend(scope: Scope, e: int) -> None:
+    s: Scope | None = scope
+    while s is not None:
+        s.last_entry = e
+        s = s.parent
+
+
+def _note_input(scope: Scope, pos: Pos) -> None:
+    """A nested scope reading a tape value made before it gets that value from its parent's
+    replay (and so do its ancestors up to the one that made it)."""
+    s: Scope | None = scope
+    while s is not None and s.parent is not None and pos[0] < s.first_entry:
+        s.inputs[pos] = None
+        s = s.parent
+
+
+class PlanMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Records the ops of a recompute scope outside units (see the module docstring)."""
+
+    def __init__(self, state: StepState) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.state = state
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # The planned forward already runs outside Dynamo (apply's compiler.disable); the
+        # per-op wrapper torch adds otherwise costs more than recording the op.
+        return False
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        if func.namespace == "prim":
+            return func(*args, **(kwargs or {}))
+        return self.state.run_op(func, args, kwargs or {})
+
+
+@contextlib.contextmanager
+def planned(state: StepState) -> Iterator[None]:
+    """Run a forward under the plan: stage tracking, tapes and saved-tensor handles."""
+    state.start()
+    try:
+        yield
+    finally:
+        state.stop()

@@ -1,0 +1,287 @@
+"""Replay in backward: when autograd first unpacks a handle of a recompute scope, the scope's
+tape is run again from its kept inputs (Alg. 2's mirror nodes), with the RNG state it started
+with: aten ops as recorded, units by calling their module again. Every live handle gets its
+value, every nested scope its inputs. Never with a changed tensor: an outside tensor is used
+at the version the scope read it, or its copy from before a recorded write, or the replay
+raises a ReplayError naming it."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from memplan.errors import ReplayError
+from memplan.runtime.tape import (
+    DEVICES,
+    READ,
+    Ext,
+    Handle,
+    OpEntry,
+    Pos,
+    Ref,
+    Scope,
+    Tape,
+    UnitEntry,
+    rng_state,
+    storage_key,
+    tensor_leaves,
+    tensors,
+    unflatten_args,
+    unflatten_tree,
+)
+
+
+def unpack(obj: Any) -> torch.Tensor:
+    if not isinstance(obj, Handle):
+        return obj  # type: ignore[no-any-return]
+    if obj.value is None:
+        materialise(obj.owner)
+        if obj.value is None:
+            raise ReplayError(
+                "memplan: a recomputed tensor was requested after its scope was released "
+                "(backward through the same graph twice without retain_graph=True?)."
+            )
+    return obj.value
+
+
+# --- replay ------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _rng(state: tuple[torch.Tensor, torch.Tensor | None]) -> Iterator[None]:
+    """Run with the RNG as the scope's first forward found it; restore it afterwards."""
+    saved = rng_state()
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1])
+    try:
+        yield
+    finally:
+        torch.set_rng_state(saved[0])
+        if saved[1] is not None:
+            torch.cuda.set_rng_state(saved[1])
+
+
+_REPLAYING = [0]  # replays in progress: module hooks of the plan do nothing during them
+
+
+def replaying() -> bool:
+    return _REPLAYING[0] > 0
+
+
+def materialise(scope: Scope) -> None:
+    """Replay the scope's entries from its kept inputs; give every live handle its value and
+    every nested scope its inputs (Alg. 2's mirror nodes, run on first use in backward).
+    Under ``create_graph`` (grad enabled here) the replay records its own graph, and a
+    drop-cheap scope replays its expensive ops too (its kept outputs have no history)."""
+    if scope.done:
+        return
+    if scope.parent is not None:
+        materialise(scope.parent)
+        if scope.stash is None:
+            raise ReplayError("memplan: internal error: nested scope has no inputs")
+    tape = scope.tape
+    grad = torch.is_grad_enabled()
+    drop = scope.template.kind == "drop-cheap" and not grad
+    handles = [h for h in (r() for r in scope.handles) if h is not None]
+    want: dict[Pos, None] = {}
+    unit_handles: dict[int, list[Handle]] = {}
+    for h in handles:
+        if h.saved:
+            unit_handles.setdefault(h.pos[0], []).append(h)
+        else:
+            want[h.pos] = None
+    children = [c for c in (r() for r in scope.children) if c is not None]
+    for child in children:
+        want.update(child.inputs)
+    span = range(scope.first_entry, scope.last_entry + 1)
+    last_use: dict[Pos, int] = {}
+    for e in span:
+        entry = tape.entries[e]
+        if not (drop and entry.expensive):
+            for p in entry.refs:
+                last_use[p] = e
+    env: dict[Pos, torch.Tensor] = dict(scope.stash or {})
+    if drop:
+        env.update(tape.held)
+    kept: dict[Pos, torch.Tensor] = {p: env[p] for p in want if p in env}
+    _REPLAYING[0] += 1
+    try:
+        with _rng(scope.rng_state), _no_autocast():
+            for e in span:
+                entry = tape.entries[e]
+                if isinstance(entry, OpEntry):
+                    if drop and entry.expensive:
+                        continue
+                    args, kwargs = _rebuild(entry, env, tape)
+                    outs = tensors(entry.func(*args, **kwargs))
+                else:
+                    hs = unit_handles.get(e)
+                    outs, saved = _run_unit(entry, env, tape, hs is not None, grad)
+                    for h in hs or ():
+                        h.value = saved[h.pos[1]]
+                    del saved
+                _keep(outs, e, want, kept, last_use, env)
+                del outs  # dead outputs die now, not during the next entry
+                for p in entry.refs:
+                    if last_use.get(p) == e:
+                        env.pop(p, None)
+    finally:
+        _REPLAYING[0] -= 1
+    for h in handles:
+        if not h.saved:
+            h.value = kept[h.pos]
+    for child in children:
+        child.stash = {p: kept[p] for p in child.inputs}
+    scope.done = True
+    scope.stash = None
+    if scope.template.kind == "drop-cheap":
+        tape.held.clear()  # what autograd still needs, its handles hold
+
+
+def _keep(outs: list[torch.Tensor], e: int, want: dict[Pos, None],
+          kept: dict[Pos, torch.Tensor], last_use: dict[Pos, int],
+          env: dict[Pos, torch.Tensor]) -> None:
+    for k, o in enumerate(outs):
+        p = (e, k)
+        if p in want:
+            kept[p] = o
+        if p in last_use:
+            env[p] = o
+
+
+def _ext_value(leaf: Ext, tape: Tape, what: str) -> torch.Tensor:
+    """An outside tensor as the scope read it: never a value changed since."""
+    t = leaf.tensor
+    if leaf.mode != READ:
+        return t.clone()  # the op writes it: write a copy
+    if t._version == leaf.version:
+        return t
+    snap = tape.snaps.get((storage_key(t), leaf.version))
+    if snap is not None:
+        return snap
+    raise ReplayError(
+        f"memplan: {tape.namer(t)}, read by {what} in a recomputed part of the forward, was "
+        f"changed in place afterwards (version {leaf.version} then, {t._version} now), so "
+        "backward cannot recompute with the value it had. Clone it before changing it "
+        "(x = x.clone(); x.mul_(...)), change it out of place, or keep that part (plan with "
+        "a larger budget)."
+    )
+
+
+def _rebuild(entry: OpEntry, env: dict[Pos, torch.Tensor], tape: Tape
+             ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    vals: list[Any] = []
+    for leaf in entry.leaves:
+        if isinstance(leaf, Ref):
+            vals.append(env[leaf.pos])
+        elif isinstance(leaf, Ext):
+            vals.append(_ext_value(leaf, tape, str(entry.func)))
+        else:
+            vals.append(leaf)
+    return unflatten_args(vals, entry.spec)
+
+
+def _run_unit(entry: UnitEntry, env: dict[Pos, torch.Tensor], tape: Tape, collect: bool,
+              grad: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Re-run a unit's module call. ``collect``: with grad enabled, taking the tensors
+    autograd saves, in order (the handles' values); otherwise under no_grad, for its outputs.
+    Inputs are detached unless ``grad`` (create_graph: the replay's graph must reach them)."""
+    what = f"the call of module '{entry.path}'"
+    vals: list[Any] = []
+    i = 0
+    for leaf in entry.leaves:
+        if isinstance(leaf, Ref):
+            v = env[leaf.pos]
+        elif isinstance(leaf, Ext):
+            v = _ext_value(leaf, tape, what)
+        else:
+            vals.append(leaf)
+            continue
+        if collect and not grad:
+            v = v.detach().requires_grad_(entry.grads[i]) if entry.grads[i] else v.detach()
+        vals.append(v)
+        i += 1
+    args, kwargs = unflatten_tree(vals, entry.spec)
+    saved: list[torch.Tensor] = []
+    copies: dict[int, torch.Tensor] = {}  # BatchNorm statistics' copies -> the statistics
+
+    def take(t: torch.Tensor) -> Any:
+        t = copies.get(id(t), t)  # BatchNorm saves its statistics: keep no copy of them
+        if grad:
+            saved.append(t)
+            return t.detach()
+        saved.append(t.detach())
+        return None
+
+    enable = entry.grad_enabled and (collect or grad)
+    with contextlib.ExitStack() as stack:
+        _bind(entry, stack, what, copies)
+        for device, dtype in entry.autocast:
+            stack.enter_context(torch.autocast(device, dtype=dtype))
+        stack.enter_context(torch.enable_grad() if enable else torch.no_grad())
+        if collect:
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(take, _identity))
+        out = entry.module(*args, **kwargs)
+    outs = tensor_leaves(out)
+    if len(outs) != entry.n_outputs or (collect and len(saved) != entry.n_saved):
+        raise ReplayError(
+            f"memplan: recomputing {what} gave {len(outs)} tensors and saved {len(saved)} "
+            f"for backward, where its forward gave {entry.n_outputs} and saved "
+            f"{entry.n_saved}: the module's forward depends on state other than its "
+            "arguments, parameters and buffers (Python state, random numbers not from torch). "
+            "Make its forward deterministic given its inputs, or keep that part (plan with a "
+            "larger budget)."
+        )
+    if not grad:
+        outs = [o.detach() for o in outs]
+    return outs, saved
+
+
+def _bind(entry: UnitEntry, stack: contextlib.ExitStack, what: str,
+          copies: dict[int, torch.Tensor]) -> None:
+    """Bind the parameters and buffers the unit ran with (a functional_call or a
+    re-registration since then leaves other tensors there); BatchNorm statistics of
+    training-mode norms as copies, so the replay does not update them again."""
+    restore: list[tuple[dict[str, Any], str, Any]] = []
+    for slot, rec, version in zip(entry.info.slots, entry.bound, entry.versions):
+        if rec is None:
+            continue
+        if slot.bn >= 0 and entry.bn_training[slot.bn]:
+            restore.append((slot.holder, slot.key, slot.holder[slot.key]))
+            copy = slot.holder[slot.key] = rec.clone()
+            copies[id(copy)] = rec
+            continue
+        if rec._version != version:
+            raise ReplayError(
+                f"memplan: '{slot.name}', read by {what} in a recomputed part of the forward, "
+                f"was changed in place afterwards (version {version} then, {rec._version} "
+                "now), so backward cannot recompute with the value it had. Change it after "
+                "backward (as optimizers do), or keep that part (plan with a larger budget)."
+            )
+        if slot.holder[slot.key] is not rec:
+            restore.append((slot.holder, slot.key, slot.holder[slot.key]))
+            slot.holder[slot.key] = rec
+
+    def undo() -> None:
+        for holder, key, value in reversed(restore):
+            holder[key] = value
+
+    stack.callback(undo)
+
+
+def _identity(x: Any) -> Any:
+    return x
+
+
+@contextlib.contextmanager
+def _no_autocast() -> Iterator[None]:
+    """The tape holds the ops autocast already chose (casts included): replay them as they are."""
+    with contextlib.ExitStack() as stack:
+        for device in DEVICES:
+            if torch.is_autocast_enabled(device):  # backward runs without autocast, mostly
+                stack.enter_context(torch.autocast(device_type=device, enabled=False))
+        yield

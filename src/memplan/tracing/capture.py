@@ -1,0 +1,67 @@
+"""``memplan.capture``: one training step as a :class:`~memplan.core.graph.Graph`, on fake tensors."""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+import torch
+
+from memplan.core import graph as g
+from memplan.core.liveness import cut_points
+from memplan.tracing.step import LossFn, as_target, run_step
+from memplan.tracing.tracer import StepTracer
+
+
+def capture(model: Any, *inputs: Any, loss_fn: LossFn | None = None,
+            device: str | None = None) -> g.Graph:
+    """Capture a Workload (``memplan.models.get(...)``) or ``model, *inputs, loss_fn=...``.
+
+    Runs forward, loss and backward once under ``FakeTensorMode`` (no real memory, so
+    paper-scale models fit on a laptop) and records every aten op in order. ``device``
+    (Workloads only; a user model is captured where its parameters are): kernels differ by
+    device (e.g. attention on CUDA), so capture for the device you train on.
+    """
+    target = as_target(model, inputs, loss_fn)
+    result = run_step(target, simulate=True, record=True, device=device)
+    tracer = result.tracer
+    n = tracer.model_ops
+    forward = g.ForwardSpec(n, g.forward_fingerprint([o.target for o in tracer.ops[:n]]),
+                            tuple(result.input_specs), autocast_state())
+    graph = build_graph(tracer, target.name, result.output_ids, forward)
+    del result, tracer
+    gc.collect()  # the step's autograd graph and fake tensors: freed now, not during planning
+    return graph
+
+
+def autocast_state() -> dict[str, str]:
+    """Devices with autocast on, and their dtypes: autocast changes the op sequence."""
+    out: dict[str, str] = {}
+    for device in ("cpu", "cuda"):
+        try:
+            if torch.is_autocast_enabled(device):
+                out[device] = str(torch.get_autocast_dtype(device)).removeprefix("torch.")
+        except (TypeError, RuntimeError):  # torch < 2.4 spells these differently
+            pass
+    return out
+
+
+def build_graph(tracer: StepTracer, name: str, output_ids: tuple[int, ...],
+                forward: g.ForwardSpec | None) -> g.Graph:
+    values = tuple(
+        g.Value(v.id, v.nbytes, v.kind, v.producer, v.birth, v.death, v.shape, v.dtype)
+        for v in tracer.values
+    )
+    ops = tuple(_freeze(o) for o in tracer.ops)
+    backward_ops = tuple(_freeze(o) for o in tracer.backward_ops)
+    calls = tuple(sorted(tracer.module_calls, key=lambda c: (c.start, -c.end, c.depth)))
+    cuts = cut_points(values, ops, calls, output_ids)
+    return g.Graph(name, values, ops, backward_ops, cuts, calls, output_ids, tracer.peak_bytes,
+                   tracer.forward_peak_bytes, forward)
+
+
+def _freeze(o: Any) -> g.Op:
+    return g.Op(
+        o.index, o.target, o.module, tuple(o.inputs), tuple(o.outputs), tuple(o.mutated),
+        tuple(o.saved), o.fwd_flops, o.bwd_flops, o.grad_of,
+    )

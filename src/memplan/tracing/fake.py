@@ -1,0 +1,148 @@
+"""The one fake-tensor forward: a model run on fake copies of its parameters, buffers and
+inputs (``FakeTensorMode``: shapes and dtypes, no memory), so that paper-scale steps are traced
+on a laptop and plans are checked against a model without touching it.
+
+Capture (``step.run_step``), ``memplan.apply``'s check of a plan (``runtime.probe``) and
+``memplan.distributed``'s unit inputs all run their forward through here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.func import functional_call
+
+from memplan.errors import PlanMismatch
+
+DTYPES = {str(d).removeprefix("torch."): d for d in (
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64,
+    torch.complex128, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8,
+    torch.bool)}
+
+
+def functional_state(model: nn.Module, by_name: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``by_name`` (keyed as ``named_parameters()``/``named_buffers()`` name them) spread over
+    every distinct (module, attribute) that holds one of those tensors, once each. Tied
+    weights (two modules, one parameter) get the same replacement; a submodule reached under
+    two paths is swapped once (functional_call swapping it twice restores it wrongly)."""
+    originals = dict(model.named_parameters()) | dict(model.named_buffers())
+    by_id = {id(t): by_name[name] for name, t in originals.items() if name in by_name}
+    out: dict[str, torch.Tensor] = {}
+    seen: set[tuple[int, str]] = set()
+    for name, t in list(model.named_parameters(remove_duplicate=False)) + list(
+            model.named_buffers(remove_duplicate=False)):
+        path, _, attr = name.rpartition(".")
+        key = (id(model.get_submodule(path)), attr)
+        if key not in seen and id(t) in by_id:
+            seen.add(key)
+            out[name] = by_id[id(t)]
+    return out
+
+
+def fake_state(fake: FakeTensorMode, model: nn.Module
+               ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Fake copies of the model's parameters (leaves that keep requires_grad, with no grad:
+    a step starts from zeroed grads, as after ``optimizer.zero_grad()``) and buffers."""
+    params: dict[str, torch.Tensor] = {}
+    for name, p in model.named_parameters():
+        t = fake.from_tensor(p)
+        t.grad = None
+        params[name] = t
+    buffers: dict[str, torch.Tensor] = {n: fake.from_tensor(b) for n, b in model.named_buffers()}
+    return params, buffers
+
+
+def fake_call(model: nn.Module, params: dict[str, torch.Tensor],
+              buffers: dict[str, torch.Tensor]) -> Callable[..., Any]:
+    """``model``'s forward with ``params`` and ``buffers`` in place of its own tensors."""
+    state = functional_state(model, {**params, **buffers})
+    return lambda *args: functional_call(model, state, args, tie_weights=False)
+
+
+def fake_args(fake: FakeTensorMode, inputs: Sequence[Any]) -> tuple[Any, ...]:
+    """Real tensors among ``inputs`` as fake ones; other values as they are."""
+    return tuple(fake.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in inputs)
+
+
+def spec_args(specs: Sequence[dict[str, Any]], device: torch.device) -> tuple[Any, ...]:
+    """Inputs rebuilt from a plan's input specs (zeros of the recorded shape and dtype; under
+    a FakeTensorMode, fake ones)."""
+    out: list[Any] = []
+    for i, spec in enumerate(specs):
+        if "shape" in spec:
+            dtype = DTYPES.get(str(spec.get("dtype")))
+            if dtype is None:
+                raise PlanMismatch(
+                    f"apply: the plan's example input {i} has dtype {spec.get('dtype')!r}, "
+                    f"not one of {sorted(DTYPES)}; pass inputs=(...) to memplan.apply.")
+            t = torch.zeros(spec["shape"], dtype=dtype, device=device)
+            out.append(t.requires_grad_(bool(spec.get("requires_grad"))))
+        elif "value" in spec:
+            out.append(spec["value"])
+        else:
+            raise PlanMismatch(
+                f"apply: the plan's example input {i} is a {spec.get('type')}, which cannot be "
+                "rebuilt to check the plan; pass inputs=(...) to memplan.apply."
+            )
+    return tuple(out)
+
+
+@contextlib.contextmanager
+def kept_python_state(model: nn.Module) -> Iterator[None]:
+    """Restore the attributes of ``model``'s modules that a forward rebinds (call counters,
+    cached shapes, a fake tensor kept as an attribute, training flags): forwards on fake
+    tensors (capture, plan, apply's check) leave the model as they found it. Changes inside
+    mutable attributes (a list a forward appends to) are not undone."""
+    saved = [(m, dict(m.__dict__)) for m in model.modules()]
+    try:
+        yield
+    finally:
+        for m, before in saved:
+            now = m.__dict__
+            for key in [k for k in now if k not in before]:
+                del now[key]
+            for key, value in before.items():
+                if now.get(key, _MISSING) is not value:
+                    now[key] = value
+
+
+_MISSING = object()
+
+
+@contextlib.contextmanager
+def untouched(model: nn.Module) -> Iterator[None]:
+    """Training mode for the forward (submodules the user set to eval stay so when the model
+    trains); the model's attributes and the RNG state restored after it."""
+    rng = torch.get_rng_state()
+    with kept_python_state(model):
+        if not model.training:
+            model.train()
+        try:
+            yield
+        finally:
+            torch.set_rng_state(rng)
+
+
+def fake_forward(model: nn.Module, inputs: Sequence[Any] | None,
+                 specs: Sequence[dict[str, Any]] = (), autocast: dict[str, str] | None = None,
+                 within: Sequence[contextlib.AbstractContextManager[Any]] = ()) -> Any:
+    """One training-mode forward of ``model`` on fake tensors, from real example ``inputs``
+    (or, when None, from input ``specs``), under ``autocast`` and the context managers
+    ``within``; returns its (fake) output. The model's parameters, buffers, attributes,
+    training mode and the RNG are left as they were."""
+    device = next(iter(model.parameters()), torch.empty(0)).device
+    with untouched(model), FakeTensorMode(allow_non_fake_inputs=False) as fake:
+        params, buffers = fake_state(fake, model)
+        args = spec_args(specs, device) if inputs is None else fake_args(fake, inputs)
+        with contextlib.ExitStack() as stack:
+            for kind, dtype in (autocast or {}).items():
+                stack.enter_context(torch.autocast(kind, dtype=DTYPES[dtype]))
+            for cm in within:
+                stack.enter_context(cm)
+            stack.enter_context(torch.enable_grad())
+            return fake_call(model, params, buffers)(*args)

@@ -1,0 +1,137 @@
+"""The ilp planner: the MILP equals brute force on random chains (depth-limited nesting), and on
+a U-Net (long skips: most cut points are not clean) it beats the chain DP on the clean chain."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from memplan import errors
+from memplan.core import chain as C
+from memplan.core import schedule as S
+from memplan.core.graph import Graph
+from memplan.core.planners import PLANNERS
+from memplan.core.planners import optimal as O
+from memplan.core.planners.ilp import ilp_chain, solve_milp
+from memplan.errors import BudgetTooSmall
+from tests.core.graphs import tiny
+from tests.core.test_planners import chains, schedules
+
+# Mutation checks (dropping one term of the model) need ~1500 examples to catch the subtlest
+# one; the default keeps the suite fast. MEMPLAN_ILP_EXAMPLES=2000 for a thorough run.
+EXAMPLES = int(os.environ.get("MEMPLAN_ILP_EXAMPLES", "200"))
+
+
+def depth(items: tuple[S.Item, ...]) -> int:
+    """Nesting depth of recompute regions (the paper's largest mirror count m(v))."""
+    return max((1 + depth(it.body) for it in items if isinstance(it, S.Region)), default=0)
+
+
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(chains(), st.data(), st.sampled_from([0, 1, 2, 4]))
+def test_milp_equals_brute_force(c: C.Chain, data: st.DataObject, max_depth: int) -> None:
+    results = [(S.simulate(c, s), depth(s)) for s in schedules(0, c.n - 1, True)]
+    peaks = sorted({peak for (peak, _), dep in results if dep <= max_depth})
+    budget = data.draw(st.sampled_from([peaks[0] - 1] + peaks), "budget")  # each threshold
+    feasible = [flops for (peak, flops), dep in results if peak <= budget and dep <= max_depth]
+    res = solve_milp(c, budget, max_depth=max_depth, time_limit_s=60)
+    assert res.proven and res.retries == 0  # no retry: the model is simulate's, exactly
+    if not feasible:
+        assert res.schedule is None
+        return
+    assert res.schedule is not None
+    peak, flops = S.simulate(c, res.schedule)
+    assert flops == min(feasible) and peak <= budget and depth(res.schedule) <= max_depth
+    if max_depth == 4:  # chains of <= 5 stages nest at most 4 deep: the DP's whole space
+        assert O.solve(c, budget - c.base_bytes, slot_bytes=1)[0] == flops
+
+
+@settings(max_examples=max(10, EXAMPLES // 8), deadline=None)
+@given(chains(), st.sampled_from([1, 4]))
+def test_milp_least_peak_equals_brute_force(c: C.Chain, max_depth: int) -> None:
+    least = min(S.simulate(c, s)[0] for s in schedules(0, c.n - 1, True)
+                if depth(s) <= max_depth)
+    res = solve_milp(c, None, max_depth=max_depth, time_limit_s=60)
+    assert res.schedule is not None and S.simulate(c, res.schedule)[0] == least
+    assert res.proven and res.retries == 0
+
+
+def unet_graph() -> Graph:
+    return tiny("unet")
+
+
+def test_unet_long_skips_make_cuts_unclean() -> None:
+    g = unet_graph()
+    assert len(g.cut_points) == 9 and C.clean_cuts(g) == [0, 6, 7, 8]
+    fine = ilp_chain(g)
+    assert fine.n == 9 and C.build_chain(g).n == 4
+    plain = S.simulate(fine, S.plain_schedule(fine))[0]
+    assert plain == S.simulate(C.build_chain(g), S.plain_schedule(C.build_chain(g)))[0]
+    assert plain == g.peak_bytes
+
+
+@pytest.mark.parametrize("fraction", [0.95, 0.9, 0.8, 0.7])
+def test_ilp_at_least_as_good_as_optimal_on_unet(fraction: float) -> None:
+    g = unet_graph()
+    budget = int(g.peak_bytes * fraction)
+    plan = PLANNERS["ilp"](g, budget)
+    fine = ilp_chain(g)
+    S.validate(fine, plan.schedule)
+    assert S.simulate(fine, plan.schedule) == (plan.peak_bytes,
+                                                plan.extra_flops + int(fine.f.sum()))
+    assert plan.peak_bytes <= budget and plan.planner == "ilp"
+    assert [s.last_op for s in plan.stages] == fine.last.tolist()
+    try:
+        dp = PLANNERS["optimal"](g, budget)  # the clean chain: 4 stages
+    except BudgetTooSmall:
+        assert fraction <= 0.85  # the clean chain cannot go below ~0.89 of plain
+        return
+    assert plan.extra_flops <= dp.extra_flops
+
+
+def test_ilp_least_peak_and_budget_too_small_on_unet() -> None:
+    g = unet_graph()
+    least = PLANNERS["ilp"](g, None)
+    assert least.peak_bytes < PLANNERS["optimal"](g, None).peak_bytes
+    assert any(n.startswith("MILP (HiGHS, regions nested <= 2 deep)") for n in least.notes)
+    with pytest.raises(BudgetTooSmall) as err:
+        PLANNERS["ilp"](g, least.peak_bytes - 1)
+    assert err.value.least_peak_bytes == least.peak_bytes
+
+
+def test_ilp_bad_arguments() -> None:
+    g = unet_graph()
+    with pytest.raises(errors.ConfigError, match="cuts"):
+        PLANNERS["ilp"](g, None, cuts="some")
+    with pytest.raises(errors.ConfigError, match="time_limit_s"):
+        PLANNERS["ilp"](g, None, time_limit_s=0)
+    with pytest.raises(errors.ConfigError, match="stage_time_s"):
+        PLANNERS["ilp"](g, None, stage_time_s=[1.0])
+    assert np.array_equal(ilp_chain(g, "clean").last, C.build_chain(g).last)
+
+
+@pytest.mark.parametrize("node_limit", [1, 5000])
+def test_ilp_is_deterministic(node_limit: int) -> None:
+    """Same input, same plan, whatever the load: HiGHS stops at a node limit (work, not
+    time); the wall-clock safety net does not change the result, and notes carry no
+    timing-dependent figures."""
+    g = unet_graph()
+    budget = int(g.peak_bytes * 0.8)
+    plans = [PLANNERS["ilp"](g, budget, node_limit=node_limit, time_limit_s=t).to_json()
+             for t in (600.0, 600.0, 3600.0)]
+    assert plans[0] == plans[1] == plans[2]
+    assert "time" not in " ".join(json.loads(plans[0])["notes"]).replace("time_limit_s", "")
+
+
+def test_ilp_on_a_long_chain_returns_the_exact_dp_and_says_why() -> None:
+    g = unet_graph()
+    chain = ilp_chain(g)  # 9 stages, over max_stages=4
+    plan = PLANNERS["ilp"](chain, int(g.peak_bytes * 0.8), max_stages=4)
+    dp = PLANNERS["optimal"](chain, int(g.peak_bytes * 0.8))
+    assert plan.schedule == dp.schedule and plan.planner == "ilp"
+    assert any("cannot beat the 'optimal' dynamic program" in n for n in plan.notes)

@@ -1,0 +1,96 @@
+"""Hugging Face transformers models (tiny configs built in code, nothing downloaded) under
+memplan with no change to their code: bit-equal gradients with dropout on, the measured peak
+within the budget, one runtime path (the op tape) for all; and transformers installed beside
+the pinned torch without replacing it."""
+
+from __future__ import annotations
+
+import copy
+import importlib.metadata as md
+import re
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import memplan
+from memplan.runtime.apply import applied_state
+
+pytest.importorskip("transformers")
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "examples"))
+
+from hf_loop import MARGIN
+from hf_models import batch, build, hf_loss, positional
+
+from tests.runtime.test_integrations import run_example
+
+
+def _step(model: Any, data: dict[str, torch.Tensor], seed: int) -> list[Any]:
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    loss = model(**data).loss
+    loss.backward()
+    return [loss.detach()] + [p.grad for p in model.parameters()] + [torch.get_rng_state()]
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "bert"])
+def test_hf_model_exact_and_within_budget(kind: str, attn: str) -> None:
+    model = build(kind, attn)
+    plain = copy.deepcopy(model)
+    data = batch(kind)
+    example = positional(model, **data)
+    graph = memplan.capture(model, *example, loss_fn=hf_loss)
+    least = memplan.plan(graph)
+    budget = (least.peak_bytes + least.plain_peak_bytes) // 2
+    # Planned with the recipe's margin: on these models the measured peak runs up to 2.9%
+    # above the plan's prediction, up to 5% at this tighter budget (reported upstream).
+    plan = memplan.plan(graph, budget=int(budget * (1 - MARGIN)))
+    assert any(s.mode != "keep" for s in plan.stages)
+    memplan.apply(model, plan)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # a stage mismatch would warn
+        warnings.filterwarnings("ignore", module="transformers")
+        for seed in (0, 1):
+            ref, got = _step(plain, data, seed), _step(model, data, seed)
+            assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(ref, got))
+    state = applied_state(model)
+    assert state is not None and state.last is not None
+    assert state.last.finished and state.last.recorded_ops > 0  # the op-tape runtime ran
+    peak = memplan.measure(model, *example, loss_fn=hf_loss, simulate=False).peak_bytes
+    plain_peak = memplan.measure(plain, *example, loss_fn=hf_loss, simulate=False).peak_bytes
+    assert peak <= budget < plain_peak
+
+
+def test_recipe_hf_trainer(tmp_path: Path) -> None:
+    pytest.importorskip("accelerate")
+    r = run_example([sys.executable, "examples/hf_loop.py", "--model", "gpt2", "--trainer",
+                     "--steps", "2"], tmp_path)
+    assert r["weights_equal"] and r["all_stages_seen"] and r["recorded_ops"] > 0
+    assert r["peak_bytes"] <= r["budget_bytes"] < r["plain_peak_bytes"]
+
+
+def test_recipe_hf_custom_loop(tmp_path: Path) -> None:
+    r = run_example([sys.executable, "examples/hf_loop.py", "--model", "llama", "--steps",
+                     "2"], tmp_path)
+    assert r["losses_equal"] and r["first_grads"]["equal"]
+    assert r["peak_bytes"] <= r["budget_bytes"] < r["plain_peak_bytes"]
+
+
+def test_transformers_did_not_bring_another_torch() -> None:
+    """One torch distribution, the one imported, the one the Makefile pins (the dev extra
+    installs transformers and accelerate after it), and pip finds no broken requirement."""
+    torches = [d for d in md.distributions() if (d.metadata["Name"] or "").lower() == "torch"]
+    assert len(torches) == 1
+    assert torch.__version__ == md.version("torch")
+    pin = re.search(r"^TORCH \?= torch==(\S+)", (ROOT / "Makefile").read_text(), re.MULTILINE)
+    if pin is not None:
+        assert torch.__version__.split("+")[0] == pin.group(1)
+    check = subprocess.run([sys.executable, "-m", "pip", "check"], check=False,
+                           capture_output=True, text=True, timeout=120)
+    assert check.returncode == 0, check.stdout + check.stderr

@@ -1,0 +1,106 @@
+"""Units: module calls a region replays by calling the module again (memplan.runtime.units). Chosen
+only where the replay keeps no more than the op tape would; a call that re-runs differently,
+or whose parameters changed since, is an error, never a silent difference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import memplan
+from memplan.runtime import units as U
+from memplan.runtime.apply import applied_state
+
+
+class Block(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+        self.extra = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.fc1(x))
+        if self.extra:  # Python state the forward depends on
+            h = torch.tanh(h)
+        out: torch.Tensor = x + self.fc2(h)
+        return out
+
+
+class Net(nn.Module):
+    def __init__(self, d: int = 16, n: int = 4) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(d) for _ in range(n))
+        self.head = nn.Linear(d, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        out: torch.Tensor = self.head(x)
+        return out
+
+
+def _loss(out: torch.Tensor) -> torch.Tensor:
+    return out.square().mean()
+
+
+def _applied(planner: str = "sqrt") -> tuple[Net, torch.Tensor]:
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    model = Net()
+    memplan.apply(model, memplan.plan(model, x, loss_fn=_loss, planner=planner))
+    return model, x
+
+
+def test_blocks_of_a_region_replay_as_units_with_plain_gradients() -> None:
+    model, x = _applied()
+    torch.manual_seed(0)
+    ref = Net()
+    _loss(ref(x)).backward()  # type: ignore[no-untyped-call]
+    _loss(model(x)).backward()  # type: ignore[no-untyped-call]
+    state = applied_state(model)
+    assert state is not None and state.last is not None and state.last.units_run > 0
+    assert all(torch.equal(p.grad, q.grad)  # type: ignore[arg-type]
+               for p, q in zip(model.parameters(), ref.parameters()))
+
+
+def test_a_call_that_reruns_differently_is_an_error() -> None:
+    model, x = _applied()
+    assert "blocks.0" in applied_state(model).layout.units  # type: ignore[union-attr]
+    loss = _loss(model(x))
+    for b in model.blocks:
+        b.extra = True  # changed between the forward and its recomputation
+    with pytest.raises(memplan.MemplanError, match="recomputing the call of module 'blocks"):
+        loss.backward()  # type: ignore[no-untyped-call]
+
+
+def test_a_parameter_changed_before_backward_is_named() -> None:
+    model, x = _applied()
+    loss = _loss(model(x))
+    with torch.no_grad():
+        model.blocks[0].fc1.bias.add_(1.0)  # plain autograd saves no bias: it would not see it
+    with pytest.raises(memplan.MemplanError, match="'blocks.0.fc1.bias'.*changed in place"):
+        loss.backward()  # type: ignore[no-untyped-call]
+
+
+# --- the choice, on made-up lifetimes -----------------------------------------------------------
+
+
+def test_a_call_holding_a_dead_value_at_the_region_peak_goes_to_the_tape() -> None:
+    """Ops 0..5, two calls: call A (ops 0-2) makes a 100-byte value read last by op 0 and
+    freed by Python at A's end; call B (ops 3-5) likewise. Values saved for backward pile up
+    (10 bytes per op), so the region peaks at its end, inside B: B's dead value would add to
+    the peak, A's comes earlier, below it."""
+    values = U.Values(made=[0, 3] + list(range(6)), read=[0, 3] + list(range(6)),
+                      freed=[3, 6] + [-1] * 6, nbytes=[100, 100] + [10] * 6)
+    a, b = U.Call("a", 1, 0, 3, True), U.Call("b", 1, 3, 6, True)
+    b_inner = U.Call("b.inner", 1, 4, 6, True)
+    units = U.choose([(0, 5)], [a, b, b_inner], values)
+    assert units == {"a": frozenset({1}), "b.inner": frozenset({1})}
+    # The same calls freeing their values right after the last read: all outermost.
+    lean = U.Values(values.made, values.read, [1, 4] + [-1] * 6, values.nbytes)
+    assert U.choose([(0, 5)], [a, b, b_inner], lean) == {"a": frozenset({1}),
+                                                         "b": frozenset({1})}
+    # An unsafe call (it writes a tensor from outside it) is never a unit.
+    unsafe = U.Call("a", 1, 0, 3, False)
+    assert "a" not in U.choose([(0, 5)], [unsafe, b], lean)

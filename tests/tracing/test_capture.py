@@ -1,0 +1,112 @@
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import memplan
+from memplan.core.graph import ACTIVATION, PARAMETER, Graph
+from tests.small import small
+
+
+def _autograd_saved_bytes(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn) -> int:
+    """What autograd really saves, read off the autograd graph's ``_saved_*`` attributes of a
+    real (not fake) forward: independent of memplan's saved-tensor hooks."""
+    exclude = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    exclude |= {b.untyped_storage().data_ptr() for b in model.buffers()}
+    loss = loss_fn(model(*inputs))
+    seen: dict[int, int] = {}
+    stack, visited = [loss.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in visited:
+            continue
+        visited.add(id(node))
+        for attr in dir(node):
+            if attr.startswith("_saved_"):
+                val = getattr(node, attr)
+                for t in val if isinstance(val, (tuple, list)) else [val]:
+                    if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes():
+                        ptr = t.untyped_storage().data_ptr()
+                        if ptr not in exclude:
+                            seen[ptr] = t.untyped_storage().nbytes()
+        stack.extend(fn for fn, _ in node.next_functions)
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("name", ["resnet", "lstm", "gpt"])
+def test_saved_bytes_equal_what_autograd_saves(name: str) -> None:
+    w = small(name)
+    graph = memplan.capture(w)
+    assert graph.saved_bytes == _autograd_saved_bytes(w.build_model(), w.build_inputs(), w.loss)
+    assert graph.saved_bytes > 0
+
+
+@pytest.mark.parametrize("name", ["resnet", "lstm", "gpt"])
+def test_capture_is_deterministic(name: str) -> None:
+    a, b = memplan.capture(small(name, dropout=0.1)), memplan.capture(small(name, dropout=0.1))
+    assert a.to_json() == b.to_json()
+    assert a.fingerprint == b.fingerprint
+
+
+def test_graph_round_trips_through_json() -> None:
+    graph = memplan.capture(small("gpt"))
+    again = Graph.from_dict(json.loads(graph.to_json()))
+    assert again == graph and again.fingerprint == graph.fingerprint
+
+
+def test_resnet_graph_structure() -> None:
+    graph = memplan.capture(small("resnet"))
+    targets = [op.target for op in graph.ops]
+    # depth 14 -> 4 bottleneck units: 13 convs + stem + 2 projection shortcuts... counted exactly
+    assert targets.count("aten.convolution.default") == 1 + 4 * 3 + 4
+    conv = next(op for op in graph.ops if op.target == "aten.convolution.default")
+    assert conv.module == "net.stem.0" and conv.fwd_flops > 0 and conv.bwd_flops > 0
+    # Every forward op has its backward attributed; FLOPs add up.
+    assert graph.step_flops == graph.fwd_flops + graph.bwd_flops
+    assert sum(op.bwd_flops for op in graph.ops) <= graph.bwd_flops
+    # A cut after every residual unit, each holding exactly the unit's output.
+    unit_cuts = [c for c in graph.cut_points if c.module.count(".") == 3]
+    assert [c.module for c in unit_cuts] == [f"net.stages.{i}.0" for i in range(4)]
+    for cut in unit_cuts:
+        (vid,) = cut.live
+        value = graph.values[vid]
+        assert value.kind == ACTIVATION and cut.live_bytes == value.nbytes
+        assert graph.ops[value.producer].target == "aten.relu.default"
+    # Parameters are never counted as saved.
+    saved = {v for op in graph.ops for v in op.saved}
+    assert all(graph.values[v].kind != PARAMETER for v in saved)
+
+
+def test_lstm_step_boundaries_are_cuts() -> None:
+    graph = memplan.capture(small("lstm"))
+    steps = [c for c in graph.cut_points if c.module == "step"]
+    assert len(steps) == 4
+    hidden_state_bytes = 2 * 32 * 4
+    for cut in steps[:-1]:  # (h, c) of 4 layers + the running loss (a 0-d float)
+        assert cut.live_bytes == 4 * 2 * hidden_state_bytes + 4
+    assert steps[-1].live_bytes == 4  # after the last step only the summed loss goes on
+
+
+def test_capture_user_model_with_loss_fn() -> None:
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    x = torch.randn(5, 8)
+    before = [p.detach().clone() for p in model.parameters()]
+    graph = memplan.capture(model, x, loss_fn=lambda out: out.pow(2).mean())
+    assert graph.param_bytes == sum(p.numel() * 4 for p in model.parameters())
+    assert any(op.target == "aten.addmm.default" for op in graph.ops)
+    # The user's model is untouched: no grads, same weights.
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+def test_capture_errors_name_the_problem() -> None:
+    model = nn.Linear(3, 3)
+    with pytest.raises(memplan.MemplanError, match="inputs"):
+        memplan.capture(model)
+    with pytest.raises(memplan.MemplanError, match="model"):
+        memplan.capture("resnet")
+    with pytest.raises(memplan.MemplanError, match="loss_fn"):
+        memplan.capture(model, torch.randn(2, 3), loss_fn=lambda out: out)
