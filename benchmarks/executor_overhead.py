@@ -5,7 +5,9 @@ region vs every unit in a non-reentrant ``torch.utils.checkpoint``) and the LSTM
 segments of steps in regions vs the same segments in ``checkpoint``, as
 ``checkpoint_sequential`` splits them). Both sides recompute the same ops and keep the same
 boundaries; their peaks are measured and printed beside the times. Times: process CPU time
-(and wall) of whole training steps, runs interleaved round-robin, medians, 1 thread.
+(and wall) of whole training steps, runs interleaved round-robin, medians, 1 thread. A fourth
+column runs torch's checkpoint with early stop off: recomputing what memplan's plan
+recomputes.
 
     .venv/bin/python benchmarks/executor_overhead.py [--device cpu|cuda] [--repeat 15]
         [--only gpt|lstm] [--out DIR]
@@ -23,6 +25,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import set_checkpoint_early_stop
 
 import memplan
 from memplan.analysis.peers import _torch_segments, checkpoint_sequential_segments, peer_workload
@@ -99,6 +102,20 @@ def lstm_case(steps: int) -> tuple[str, Workload, Workload, list[int], list[bool
             [b < steps for _, b in bounds])
 
 
+class NoEarlyStop(nn.Module):
+    """torch's checkpoint recomputing whole units: non-reentrant checkpoint stops a
+    recomputation once the last tensor backward needs is saved (early stop, on by default),
+    skipping e.g. a block's last matmul; memplan replays what the plan recomputes (Alg. 2)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *inputs: Any) -> Any:
+        with set_checkpoint_early_stop(False):
+            return self.inner(*inputs)
+
+
 def timed(models: dict[str, nn.Module], inputs: tuple[Any, ...], loss: Any, repeat: int,
           cuda: bool) -> tuple[dict[str, float], dict[str, float]]:
     """Median wall and process-CPU time of a step, runs interleaved round-robin."""
@@ -130,7 +147,8 @@ def run_case(case: tuple[str, Workload, Workload, list[int], list[bool]], dev: s
     with torch.device(dev):
         inputs = w.build_inputs()
         models = {"plain": w.build_model(), "torch checkpoint": peer.build_model(),
-                  "memplan": apply(w.build_model(), plan)}
+                  "memplan": apply(w.build_model(), plan),
+                  "torch, no early stop": NoEarlyStop(peer.build_model())}
     peaks = {k: memplan.measure(m, *inputs, loss_fn=w.loss, simulate=False, device=dev,
                                 repeat=1).peak_bytes for k, m in models.items()}
     wall, cpu = timed(models, inputs, w.loss, repeat, dev == "cuda")
@@ -138,6 +156,7 @@ def run_case(case: tuple[str, Workload, Workload, list[int], list[bool]], dev: s
            "predicted_peak_bytes": plan.peak_bytes, "regions": sum(recomputed)}
     print(f"| {name} | {cpu['plain'] * 1e3:.2f} ms | "
           f"{cpu['torch checkpoint'] / cpu['plain']:.3f}x | {cpu['memplan'] / cpu['plain']:.3f}x | "
+          f"{cpu['torch, no early stop'] / cpu['plain']:.3f}x | "
           f"{wall['torch checkpoint'] / wall['plain']:.3f}x | {wall['memplan'] / wall['plain']:.3f}x | "
           f"{peaks['torch checkpoint'] / 1e6:.2f} / {peaks['memplan'] / 1e6:.2f} |", flush=True)
     return row
@@ -159,8 +178,9 @@ def main() -> None:
         cases += [lstm_case(t) for t in LSTM_STEPS]
     print(f"device {args.device}, torch threads {torch.get_num_threads()}, medians of "
           f"{args.repeat} interleaved steps; load {os.getloadavg()[0]:.2f}")
-    print("| model | plain (CPU) | torch ckpt CPU | memplan CPU | torch ckpt wall | memplan wall "
-          "| peak MB torch / memplan |\n|---|---|---|---|---|---|---|")
+    print("| model | plain (CPU) | torch ckpt CPU | memplan CPU | torch no early stop CPU "
+          "| torch ckpt wall | memplan wall | peak MB torch / memplan |\n"
+          "|---|---|---|---|---|---|---|---|")
     rows = [run_case(c, args.device, args.repeat) for c in cases]
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"executor_{args.device}.json"), "w") as fh:
