@@ -263,3 +263,12 @@ def test_escaped_plan_strings_in_explain(files: dict[str, str],
     assert main(["explain", files["escape"]]) == 0
     out = capsys.readouterr().out
     assert "\x1b" not in out and "\\x1b" in out
+
+
+@pytest.mark.parametrize("planner, other", [("optimal", False), ("sqrt", True)])
+def test_budget_refusal_names_flags(planner: str, other: bool,
+                                    capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", LSTM, "--budget", "1KiB", "--planner", planner]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "least feasible peak" in err and "--budget " in err
+    assert ("--planner optimal" in err) == other and "planner='" not in err

@@ -29,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
     obj, inputs, loss_fn = target.call_args()
     how = "running" if args.real else "simulating"
     # Real steps are timed: no module-call counting hook there.
-    with working(wide_console(), f"{how} one step of {target.label}{estimate(target)}",
+    with working(wide_console(), f"{how} one step of {estimate(target)}",
                  count_calls=not args.real):
         report = measure(obj, *inputs, loss_fn=loss_fn, simulate=not args.real,
                          device=args.device)

@@ -21,7 +21,7 @@ from memplan.core.budget import budget_from_text, format_bytes, parse_budget
 from memplan.core.plan import Plan, Stage
 from memplan.core.plan_schema import printable
 from memplan.core.planners import PLANNERS
-from memplan.errors import bad_arg
+from memplan.errors import BudgetTooSmall, bad_arg
 
 
 def add_parser(sub: Any) -> None:
@@ -64,9 +64,13 @@ def run(args: argparse.Namespace) -> int:
     target = resolve(args.model, args.batch)
     obj, inputs, loss_fn = target.call_args()
     start = time.perf_counter()
-    with working(console, f"capturing and planning {target.label}{estimate(target)}"):
-        plan = make_plan(obj, *inputs, loss_fn=loss_fn, budget=budget, planner=args.planner,
-                         objective=args.objective, device=args.device)
+    with working(console, f"capturing and planning {estimate(target)}"):
+        try:
+            plan = make_plan(obj, *inputs, loss_fn=loss_fn, budget=budget,
+                             planner=args.planner, objective=args.objective,
+                             device=args.device)
+        except BudgetTooSmall as err:
+            raise flag_worded(err) from err
     seconds = time.perf_counter() - start
     console.print(stage_table(plan, target.label, args.all_stages))
     console.print(summary_lines(plan))
@@ -76,6 +80,18 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"  plan written to {args.output} (read it with: memplan explain "
                       f"{args.output})")
     return 0
+
+
+def flag_worded(err: BudgetTooSmall) -> BudgetTooSmall:
+    """The refusal with its fixes written as flags (the library's says planner='...')."""
+    other = (", or try --planner optimal (it reaches the lowest peaks)"
+             if err.planner != "optimal" else "")
+    return BudgetTooSmall(
+        err.budget_bytes, err.least_peak_bytes, err.planner,
+        f"--budget {format_bytes(err.budget_bytes)} ({err.budget_bytes:,} B) is below the least "
+        f"feasible peak {format_bytes(err.least_peak_bytes)} ({err.least_peak_bytes:,} B) of "
+        f"planner '{err.planner}'. Raise the budget: --budget {err.least_peak_bytes} or "
+        f"more{other}.")
 
 
 MAX_GROUPS = 40  # rows shown before the middle of a long table is elided

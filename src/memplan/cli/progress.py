@@ -21,7 +21,7 @@ class _Calls(ProgressColumn):
         self.calls = calls
 
     def render(self, task: Any) -> Text:
-        return Text(f"{self.calls[0]:,} module calls" if self.calls[0] else "")
+        return Text(f"module calls: {self.calls[0]:,}" if self.calls[0] else "")
 
 
 @contextlib.contextmanager
@@ -40,10 +40,12 @@ def working(console: Console, what: str, count_calls: bool = True
     def count(module: Any, args: Any, output: Any) -> None:
         calls[0] += 1
 
-    columns: list[ProgressColumn] = [SpinnerColumn(), TextColumn("{task.description}")]
+    # The counters first: a narrow terminal cuts the text, not them.
+    columns: list[ProgressColumn] = [SpinnerColumn(), TimeElapsedColumn()]
     if count_calls:
         columns.append(_Calls(calls))
-    progress = Progress(*columns, TimeElapsedColumn(), console=console, transient=True)
+    columns.append(TextColumn("{task.description}"))
+    progress = Progress(*columns, console=console, transient=True)
     handle = torch.nn.modules.module.register_module_forward_hook(count) if count_calls else None
     try:
         with progress:

@@ -43,12 +43,12 @@ class ModelSpec:
 
 
 def estimate(target: ModelSpec) -> str:
-    """' (about N forward ops)' for a built-in workload (``memplan.models.size``), '' for a
-    factory's model (unknown until its forward runs)."""
+    """What a status line calls the model: a built-in's name and its estimated forward ops
+    (``memplan.models.size``), or the factory (its size is unknown until its forward runs)."""
     if target.workload is None:
-        return ""
+        return target.label
     size = step_size(target.workload.name, target.workload.params)
-    return f" (about {size.forward_ops:,} forward ops)"
+    return f"{target.workload.name} (about {size.forward_ops:,} forward ops)"
 
 
 def parse_spec(spec: str, batch: int | None = None) -> models.Workload:
