@@ -272,3 +272,13 @@ def test_budget_refusal_names_flags(planner: str, other: bool,
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "least feasible peak" in err and "--budget " in err
     assert ("--planner optimal" in err) == other and "planner='" not in err
+
+
+def test_plan_file_is_written_whole_with_the_usual_mode(tmp_path: Path) -> None:
+    target = tmp_path / "plan.json"
+    assert main(["plan", LSTM, "--planner", "sqrt", "-o", str(target)]) == 0
+    mask = os.umask(0)
+    os.umask(mask)
+    assert target.stat().st_mode & 0o777 == 0o666 & ~mask
+    assert memplan.Plan.from_json(target.read_text()).planner == "sqrt"
+    assert [p.name for p in tmp_path.iterdir()] == ["plan.json"]

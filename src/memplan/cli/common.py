@@ -105,6 +105,7 @@ def write_result(path: str, text: str, arg: str, what: str) -> None:
         try:
             with os.fdopen(fd, "w") as f:
                 f.write(text)
+            os.chmod(tmp, 0o666 & ~_umask())  # as open() would make it (mkstemp: 0600)
             os.replace(tmp, target)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
@@ -115,6 +116,12 @@ def write_result(path: str, text: str, arg: str, what: str) -> None:
                  else f"the {what} could not be saved anywhere (the temporary folder failed too)")
         raise ConfigError(f"{arg}: could not write {printable(path)} ({err.strerror}); "
                           f"{where}.") from None
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _save_elsewhere(text: str, suffix: str) -> str | None:
