@@ -131,7 +131,8 @@ def retype(value: Any) -> Any:
     if isinstance(value, bool):
         return int(value)
     if isinstance(value, int):
-        return [float(value), str(value), value != 0][value % 3]
+        as_float = float(value) if abs(value) < 10**300 else str(value)  # no OverflowError
+        return [as_float, str(value), value != 0][value % 3]
     if isinstance(value, float):
         return int(value) if math.isfinite(value) else str(value)
     if isinstance(value, str):
@@ -166,7 +167,8 @@ def mutated(draw: st.DrawFn, bases: tuple[dict[str, Any], ...] = ()) -> str:
         if op == "number" and isinstance(value, (int, float)) and not isinstance(value, bool):
             new: Any = draw(st.sampled_from([
                 -value, value + 1, value - 1, value * 10**20, -1, 2**63, float("nan"),
-                float("inf"), -float("inf"), 1e400, value + 0.5]))
+                float("inf"), -float("inf"), 1e400,
+                value + 0.5 if abs(value) < 10**300 else value]))
         elif op == "retype":
             new = retype(value)
         elif op == "nest":
