@@ -27,7 +27,7 @@ def capture(model: Any, *inputs: Any, loss_fn: LossFn | None = None,
     tracer = result.tracer
     n = tracer.model_ops
     forward = g.ForwardSpec(n, g.forward_fingerprint([o.target for o in tracer.ops[:n]]),
-                            tuple(result.input_specs), autocast_state())
+                            tuple(result.input_specs), autocast_state(), result.notes)
     graph = build_graph(tracer, target.name, result.output_ids, forward)
     del result, tracer
     gc.collect()  # the step's autograd graph and fake tensors: freed now, not during planning

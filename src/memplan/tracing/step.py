@@ -11,13 +11,14 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode, UnsupportedOperatorException
 from torch.utils._pytree import tree_flatten
 
 from memplan.core import graph as g
-from memplan.errors import ConfigError, bad_arg
+from memplan.errors import CaptureError, ConfigError, MemplanError, bad_arg
 from memplan.models import Workload
-from memplan.tracing.fake import fake_args, fake_call, fake_state
+from memplan.tracing.datadep import Oracle, run_with_oracle
+from memplan.tracing.fake import fake_args, fake_call, fake_mode, fake_state, real_forward
 from memplan.tracing.tracer import StepTracer, module_hooks
 
 LossFn = Callable[[Any], torch.Tensor]
@@ -74,6 +75,7 @@ class StepResult:
     params: list[torch.Tensor]
     output_ids: tuple[int, ...]
     input_specs: list[dict[str, Any]]
+    notes: tuple[str, ...] = ()  # assumptions the step was captured under (``datadep``)
 
 
 @contextlib.contextmanager
@@ -94,14 +96,45 @@ def _fake_mode(simulate: bool) -> Iterator[FakeTensorMode | None]:
     if not simulate:
         yield None
         return
-    with FakeTensorMode(allow_non_fake_inputs=False) as mode:
+    with fake_mode() as mode:
         yield mode
 
 
 def run_step(target: Target, *, simulate: bool, record: bool, device: str | None = None) -> StepResult:
-    """One forward+loss+backward under a tracer. Fake tensors when ``simulate``."""
+    """One forward+loss+backward under a tracer. Fake tensors when ``simulate``; ops whose
+    output depends on tensor data are then sized from one real forward (``datadep``)."""
+    if not simulate:
+        return _run_step(target, None, record, device)
+
+    def real() -> None:
+        model, inputs = _materialise(target, device)
+        real_forward(model, inputs, target.loss_fn)
+
+    try:
+        result: StepResult = run_with_oracle(
+            lambda oracle: _run_step(target, oracle, record, device), real)
+        return result
+    except MemplanError:
+        raise
+    except UnsupportedOperatorException as err:
+        raise CaptureError(
+            f"capture: {target.name} runs {err.func}, which has no fake-tensor kernel (memplan "
+            "captures the step on fake tensors, without memory). Register one with "
+            "torch.library.register_fake, or file an issue with the model."
+        ) from err
+    except Exception as err:
+        raise CaptureError(
+            f"capture: the training step of {target.name} raised {type(err).__name__} on fake "
+            f"tensors: {err}. Check that it runs plainly (model(*inputs), loss_fn(output), "
+            "backward) on these inputs; if it does, file an issue with the model."
+        ) from err
+
+
+def _run_step(target: Target, oracle: Oracle | None, record: bool, device: str | None
+              ) -> StepResult:
+    simulate = oracle is not None
     with _no_cyclic_gc(), _fake_mode(simulate) as fake:
-        model, inputs = _materialise(target, fake, device)
+        model, inputs = _materialise(target, device)
         params: dict[str, torch.Tensor] = dict(model.named_parameters())
         buffers = dict(model.named_buffers())
         call: Callable[..., Any] = model
@@ -109,7 +142,7 @@ def run_step(target: Target, *, simulate: bool, record: bool, device: str | None
             params, buffers = fake_state(fake, model)
             inputs = fake_args(fake, inputs)
             call = fake_call(model, params, buffers)
-        tracer = StepTracer(record=record)
+        tracer = StepTracer(record=record, fake=fake, oracle=oracle)
         for p in params.values():
             tracer.register(p, g.PARAMETER)
             if p.grad is not None:
@@ -138,12 +171,11 @@ def run_step(target: Target, *, simulate: bool, record: bool, device: str | None
                     tracer.values[vid].kind = g.GRADIENT
         del out, loss
         tracer.close()
-        return StepResult(tracer, param_list, output_ids, input_specs(inputs))
+        notes = oracle.notes() if oracle is not None else ()
+        return StepResult(tracer, param_list, output_ids, input_specs(inputs), notes)
 
 
-def _materialise(
-    target: Target, fake: FakeTensorMode | None, device: str | None
-) -> tuple[nn.Module, tuple[Any, ...]]:
+def _materialise(target: Target, device: str | None) -> tuple[nn.Module, tuple[Any, ...]]:
     if device is not None and target.user_model is None:
         with torch.device(device):
             return target.build()

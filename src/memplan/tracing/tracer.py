@@ -16,11 +16,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
 from memplan.core import graph as g
+from memplan.tracing.datadep import Oracle
 
 
 @dataclass
@@ -66,11 +68,15 @@ def _mutated_arg_positions(func: Any) -> tuple[int, ...]:
 
 
 class StepTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
-    """Counts live storage bytes through a step; with ``record=True`` also builds a Graph."""
+    """Counts live storage bytes through a step; with ``record=True`` also builds a Graph.
+    Under ``fake`` (a fake step), ``oracle`` answers data-dependent ops (``datadep``)."""
 
-    def __init__(self, record: bool = False) -> None:
+    def __init__(self, record: bool = False, fake: FakeTensorMode | None = None,
+                 oracle: Oracle | None = None) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.record = record
+        self.fake = fake
+        self.oracle = oracle
         self.phase = "forward"
         self.event = -1
         self.values: list[_ValueRec] = []
@@ -88,10 +94,12 @@ class StepTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.model_ops = 0  # forward ops inside the model call (the rest is the loss)
         self._paused = 0
         self._grad_of = -1
-        self._pending: list[tuple[int, list[weakref.ref[torch.Tensor]], int]] = []
+        # (forward op, its outputs (and whether to read the node off their base), tries)
+        self._pending: list[tuple[int, list[tuple[weakref.ref[torch.Tensor], bool]], int]] = []
         self._hooked_nodes: set[int] = set()
         self._node_refs: list[tuple[Any, int]] = []
         self._mutates: dict[Any, tuple[int, ...]] = {}
+        self._constants: list[torch.Tensor] = []  # fake copies of real tensors the step reads
         self._saved_names: dict[type, tuple[str, ...]] = {}
 
     # --- storages ----------------------------------------------------------------------------
@@ -115,6 +123,23 @@ class StepTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self._by_storage[key] = vid
         self._finalizers.append(weakref.finalize(storage, self._on_free, key, vid))
         self.live_bytes += nbytes
+        return vid
+
+    def _register_unseen(self, t: torch.Tensor) -> int:
+        """A tensor that existed before the step and was not registered up front."""
+        if self.fake is None or isinstance(t, FakeTensor):
+            return self.register(t, g.EXTERNAL)
+        # A real tensor the forward or the loss closes over (targets, class weights, masks):
+        # the fake mode computes with its fake copy (one per tensor), which autograd may save.
+        # Count that copy, once, and find it from the real tensor too. The fake mode holds its
+        # copies weakly: keep it for the step, so that every use gets the same one.
+        copy = self.fake.from_tensor(t)
+        self._constants.append(copy)
+        vid = self.register(copy, g.EXTERNAL)
+        storage = t.untyped_storage()
+        self._by_storage[storage._cdata] = vid
+        self._finalizers.append(weakref.finalize(storage, self._by_storage.pop,
+                                                 storage._cdata, None))
         return vid
 
     def _on_free(self, key: int, vid: int) -> None:
@@ -159,8 +184,8 @@ class StepTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
         inputs = [self._lookup(t) for t in in_tensors]
         for i, t in enumerate(in_tensors):
             if inputs[i] is None:
-                inputs[i] = self.register(t, g.EXTERNAL)
-        out = func(*args, **kwargs)
+                inputs[i] = self._register_unseen(t)
+        out = func(*args, **kwargs) if self.oracle is None else self.oracle.call(func, args, kwargs)
         flat_out, _ = tree_flatten(out)
         forward = self.phase == "forward"
         kind = g.ACTIVATION if forward else g.BACKWARD
@@ -195,7 +220,9 @@ class StepTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
         if forward:
             rec = _OpRec(len(self.ops), target, module, uniq_inputs, made, mutated, fwd_flops=flops)
             self.ops.append(rec)
-            tensors = [weakref.ref(t) for t in flat_out if isinstance(t, torch.Tensor)]
+            # An op that writes a view in place: see _hook_pending_nodes.
+            tensors = [(weakref.ref(t), bool(positions) and t._is_view())
+                       for t in flat_out if isinstance(t, torch.Tensor)]
             self._pending.append((rec.index, tensors, 0))
         else:
             grad_of = self._grad_of
@@ -248,14 +275,20 @@ class StepTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
         pending, self._pending = self._pending, []
         for index, refs, tries in pending:
             waiting = []
-            for ref in refs:
+            for ref, via_base in refs:
                 t = ref()
                 if t is None:
                     continue
+                if via_base:
+                    # The op wrote a view in place: reading t.grad_fn regenerates the view's
+                    # node under an autograd lock that may be held right now (autograd
+                    # replays the view on fake tensors through this mode): a deadlock. The
+                    # op's node is in the CopySlices autograd put on the base.
+                    t = t._base if t._base is not None else t
                 node = t.grad_fn
                 if node is None:
                     if tries < 4:
-                        waiting.append(ref)
+                        waiting.append((ref, via_base))
                     continue
                 if id(node) in self._hooked_nodes:
                     continue
@@ -294,6 +327,8 @@ class StepTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
     # --- phases ------------------------------------------------------------------------------
 
     def end_forward(self) -> None:
+        if self.oracle is not None:
+            self.oracle.in_forward = False
         if self.record:
             if self._pending:
                 self._hook_pending_nodes()
@@ -311,6 +346,7 @@ class StepTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self._finalizers.clear()
         self._node_refs.clear()
         self._pending.clear()
+        self._constants.clear()
 
 
 def _flops(func: Any, args: tuple[Any, ...], out: Any, made: list[int], values: list[_ValueRec]) -> int:
