@@ -92,38 +92,31 @@ class Oracle:
         self.answered.clear()
         self.in_forward = True
 
-    def call(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """``func(*args, **kwargs)`` on fake tensors, answered from the records where the
-        output depends on data."""
-        if self.records is None:
+    def call(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+             run: Callable[[Any, tuple[Any, ...], dict[str, Any]], Any] | None = None) -> Any:
+        """``func(*args, **kwargs)`` on fake tensors (through ``run`` when given), answered
+        from the records where the output depends on data."""
+        run = run or _plain
+        if self.records is not None and self.in_forward and self.watched(func):
+            rec = self._next(func, args, kwargs)
             try:
-                return func(*args, **kwargs)
+                return run(func, args, kwargs)
             except DATA_DEPENDENT:
-                self.missed.add(str(func))
-                raise
-        if not self.in_forward:
-            try:
-                return func(*args, **kwargs)
-            except DATA_DEPENDENT:
+                self.answered[str(func)] += 1
+                leaves = [torch.empty_strided(m.shape, m.stride, dtype=m.dtype, device=m.device)
+                          if isinstance(m, _Meta) else m for m in rec.leaves]
+                return tree_unflatten(leaves, rec.spec)
+        try:
+            return run(func, args, kwargs)
+        except DATA_DEPENDENT:
+            if self.records is not None and not self.in_forward:
                 raise CaptureError(
                     f"capture: the backward runs {func}, whose output depends on the data of "
                     "a tensor; memplan sizes such ops from one real forward, and cannot in "
                     "backward. Compute it in the forward (or outside the step)."
                 ) from None
-        if not self.watched(func):
-            try:
-                return func(*args, **kwargs)
-            except DATA_DEPENDENT:
-                self.missed.add(str(func))  # an op no tag announced: watch it next time
-                raise
-        rec = self._next(func, args, kwargs)
-        try:
-            return func(*args, **kwargs)
-        except DATA_DEPENDENT:
-            self.answered[str(func)] += 1
-            leaves = [torch.empty_strided(m.shape, m.stride, dtype=m.dtype, device=m.device)
-                      if isinstance(m, _Meta) else m for m in rec.leaves]
-            return tree_unflatten(leaves, rec.spec)
+            self.missed.add(str(func))  # learn it (or, answering, an op no tag announced)
+            raise
 
     def _next(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Record:
         key = str(func)
@@ -154,6 +147,10 @@ class Oracle:
                 "from one real forward on the example inputs. The plan fits that batch; another "
                 "batch (other routing, mask counts) trains exactly but may use other memory.")
         return (note,)
+
+
+def _plain(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    return func(*args, **kwargs)
 
 
 class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]

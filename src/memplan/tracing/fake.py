@@ -80,6 +80,14 @@ def fake_state(fake: FakeTensorMode, model: nn.Module
     return params, buffers
 
 
+def meta_fakes(fake: FakeTensorMode, tensors: dict[str, torch.Tensor], device: torch.device
+               ) -> dict[str, torch.Tensor]:
+    """Fake tensors on ``device`` for tensors built on the meta device (a Workload built
+    without values: its init kernels run in C++ rather than through the fake mode)."""
+    convert = fake.fake_tensor_converter.from_meta_and_device
+    return {name: convert(fake, t, device) for name, t in tensors.items()}
+
+
 def fake_call(model: nn.Module, params: dict[str, torch.Tensor],
               buffers: dict[str, torch.Tensor]) -> Callable[..., Any]:
     """``model``'s forward with ``params`` and ``buffers`` in place of its own tensors."""
@@ -174,6 +182,10 @@ def fake_forward(model: nn.Module, inputs: Sequence[Any] | None,
 
 class _OpCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """The targets of the ops a forward runs, counted the way capture counts them."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # never compiled: spare every op torch's dynamo-disable wrapper
 
     def __init__(self, oracle: Oracle) -> None:
         super().__init__()  # type: ignore[no-untyped-call]

@@ -18,7 +18,15 @@ from memplan.core import graph as g
 from memplan.errors import CaptureError, ConfigError, MemplanError, bad_arg
 from memplan.models import Workload
 from memplan.tracing.datadep import Oracle, run_with_oracle
-from memplan.tracing.fake import fake_args, fake_call, fake_mode, fake_state, real_forward
+from memplan.tracing.fake import (
+    fake_args,
+    fake_call,
+    fake_mode,
+    fake_state,
+    meta_fakes,
+    real_forward,
+)
+from memplan.tracing.opcache import FakeOpCache
 from memplan.tracing.tracer import StepTracer, module_hooks
 
 LossFn = Callable[[Any], torch.Tensor]
@@ -32,6 +40,7 @@ class Target:
     build: Callable[[], tuple[nn.Module, tuple[Any, ...]]]
     loss_fn: LossFn
     user_model: nn.Module | None  # set when the user passed a real model
+    workload: Workload | None = None  # set when it is a Workload
 
 
 def as_target(obj: Any, inputs: tuple[Any, ...], loss_fn: LossFn | None) -> Target:
@@ -44,7 +53,7 @@ def as_target(obj: Any, inputs: tuple[Any, ...], loss_fn: LossFn | None) -> Targ
                 "Pass either a Workload alone or model, *inputs, loss_fn=...",
             )
         w = obj
-        return Target(w.spec, lambda: (w.build_model(), w.build_inputs()), w.loss, None)
+        return Target(w.spec, lambda: (w.build_model(), w.build_inputs()), w.loss, None, w)
     if isinstance(obj, nn.Module):
         if not inputs:
             raise bad_arg(
@@ -79,7 +88,7 @@ class StepResult:
 
 
 @contextlib.contextmanager
-def _no_cyclic_gc() -> Iterator[None]:
+def no_cyclic_gc() -> Iterator[None]:
     """Storages die by reference counting; the cyclic collector only adds time (its full passes
     over a 100k-node autograd graph made LSTM T=2048 superlinear) and nondeterminism."""
     was_enabled = gc.isenabled()
@@ -100,11 +109,14 @@ def _fake_mode(simulate: bool) -> Iterator[FakeTensorMode | None]:
         yield mode
 
 
-def run_step(target: Target, *, simulate: bool, record: bool, device: str | None = None) -> StepResult:
+def run_step(target: Target, *, simulate: bool, record: bool, device: str | None = None,
+             fast: bool = True) -> StepResult:
     """One forward+loss+backward under a tracer. Fake tensors when ``simulate``; ops whose
-    output depends on tensor data are then sized from one real forward (``datadep``)."""
+    output depends on tensor data are then sized from one real forward (``datadep``).
+    ``fast=False`` runs every op through the fake mode itself and builds a Workload on fake
+    tensors (the reference the fast path is tested against: the same Graph)."""
     if not simulate:
-        return _run_step(target, None, record, device)
+        return _run_step(target, None, record, device, fast)
 
     def real() -> None:
         model, inputs = _materialise(target, device)
@@ -112,7 +124,7 @@ def run_step(target: Target, *, simulate: bool, record: bool, device: str | None
 
     try:
         result: StepResult = run_with_oracle(
-            lambda oracle: _run_step(target, oracle, record, device), real)
+            lambda oracle: _run_step(target, oracle, record, device, fast), real)
         return result
     except MemplanError:
         raise
@@ -130,19 +142,36 @@ def run_step(target: Target, *, simulate: bool, record: bool, device: str | None
         ) from err
 
 
-def _run_step(target: Target, oracle: Oracle | None, record: bool, device: str | None
-              ) -> StepResult:
+def _run_step(target: Target, oracle: Oracle | None, record: bool, device: str | None,
+              fast: bool) -> StepResult:
     simulate = oracle is not None
-    with _no_cyclic_gc(), _fake_mode(simulate) as fake:
-        model, inputs = _materialise(target, device)
-        params: dict[str, torch.Tensor] = dict(model.named_parameters())
-        buffers = dict(model.named_buffers())
-        call: Callable[..., Any] = model
-        if fake is not None and target.user_model is not None:  # fake copies of the user's
-            params, buffers = fake_state(fake, model)
-            inputs = fake_args(fake, inputs)
-            call = fake_call(model, params, buffers)
-        tracer = StepTracer(record=record, fake=fake, oracle=oracle)
+    meta_model = None
+    if simulate and fast and target.workload is not None:
+        # Built on the meta device, outside the fake mode (init kernels in C++ rather than
+        # one by one through the fake mode: most of a ResNet-1000's capture otherwise), and
+        # made fake below.
+        with no_cyclic_gc(), torch.device("meta"):
+            meta_model = target.workload.build_model()
+    with no_cyclic_gc(), _fake_mode(simulate) as fake:
+        cache = FakeOpCache(fake) if fake is not None and fast else None
+        if fake is not None and meta_model is not None and target.workload is not None:
+            on = torch.device(device or "cpu")
+            model = meta_model
+            with torch.device(on):
+                inputs = target.workload.build_inputs()
+            params = meta_fakes(fake, dict(model.named_parameters()), on)
+            buffers = meta_fakes(fake, dict(model.named_buffers()), on)
+            call: Callable[..., Any] = fake_call(model, params, buffers)
+        else:
+            model, inputs = _materialise(target, device)
+            params = dict(model.named_parameters())
+            buffers = dict(model.named_buffers())
+            call = model
+            if fake is not None:  # fake copies of the user's model and inputs
+                params, buffers = fake_state(fake, model)
+                inputs = fake_args(fake, inputs)
+                call = fake_call(model, params, buffers)
+        tracer = StepTracer(record=record, fake=fake, oracle=oracle, cache=cache)
         for p in params.values():
             tracer.register(p, g.PARAMETER)
             if p.grad is not None:
