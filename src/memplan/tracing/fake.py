@@ -25,6 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from memplan.errors import PlanMismatch
 from memplan.tracing import kernels  # noqa: F401  (fake kernels torch lacks, registered)
 from memplan.tracing.datadep import Oracle, run_with_oracle
+from memplan.tracing.opcache import fake_tensor
 from memplan.tracing.tracer import is_counted
 
 DTYPES = {str(d).removeprefix("torch."): d for d in (
@@ -80,12 +81,28 @@ def fake_state(fake: FakeTensorMode, model: nn.Module
     return params, buffers
 
 
-def meta_fakes(fake: FakeTensorMode, tensors: dict[str, torch.Tensor], device: torch.device
-               ) -> dict[str, torch.Tensor]:
-    """Fake tensors on ``device`` for tensors built on the meta device (a Workload built
-    without values: its init kernels run in C++ rather than through the fake mode)."""
-    convert = fake.fake_tensor_converter.from_meta_and_device
-    return {name: convert(fake, t, device) for name, t in tensors.items()}
+def make_fake_in_place(fake: FakeTensorMode, model: nn.Module, device: torch.device
+                       ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Turn ``model``, built on the meta device (a Workload: no values, its init kernels in
+    C++ rather than through the fake mode), into a fake model on ``device``, in place: every
+    parameter and buffer slot holds a fake tensor (tied ones the same). Returns them as
+    ``named_parameters()`` / ``named_buffers()`` name them."""
+    fakes: dict[int, torch.Tensor] = {}
+
+    def swap(slots: dict[str, Any]) -> None:
+        for key, t in slots.items():
+            if t is not None:
+                if id(t) not in fakes:
+                    fakes[id(t)] = fake_tensor(fake, t.detach(), device,
+                                               requires_grad=t.requires_grad)
+                slots[key] = fakes[id(t)]
+
+    named = dict(model.named_parameters()), dict(model.named_buffers())
+    for module in model.modules():
+        swap(module._parameters)
+        swap(module._buffers)
+    params, buffers = ({name: fakes[id(t)] for name, t in group.items()} for group in named)
+    return params, buffers
 
 
 def fake_call(model: nn.Module, params: dict[str, torch.Tensor],

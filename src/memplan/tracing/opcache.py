@@ -37,6 +37,7 @@ _UNCACHED_TAGS = (torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_outpu
 _SCALARS = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
             torch.memory_format)
 _SELECT = torch.ops.aten.select.int
+_META = torch.device("meta")
 
 
 class FakeOpCache:
@@ -71,30 +72,29 @@ class FakeOpCache:
             return out
         if found is _NEVER:
             return func(*args, **kwargs)
-        is_tuple, infos = found
+        is_tuple, recipes = found
         if is_tuple:
-            return tuple(self._output(info, func, args) for info in infos)
-        return self._output(infos[0], func, args)
+            return tuple(self._output(r, args) for r in recipes)
+        return self._output(recipes[0], args)
 
-    def _output(self, info: _DispatchCacheEntryOutputInfo, func: Any, args: tuple[Any, ...]
-                ) -> Any:
-        """``FakeTensorMode._get_output_tensor_from_cache_entry`` for shape_env None."""
-        if info.inplace_idx is not None:
-            return args[info.inplace_idx]
-        md: Any = info.metadata  # plain ints only (_plain_info)
-        if md is None:
-            return info.constant_value
+    def _output(self, recipe: tuple[Any, ...], args: tuple[Any, ...]) -> Any:
+        """``FakeTensorMode._get_output_tensor_from_cache_entry`` for shape_env None, from
+        the entry's fields laid out by ``_recipe``."""
+        inplace, view, shape, stride, dtype, grad, conj, neg, offset, device, value = recipe
+        if inplace >= 0:
+            return args[inplace]
+        if shape is None:
+            return value
         with torch._C._DisableTorchDispatch():
-            empty = torch.empty_strided(md.shape, md.stride, dtype=md.dtype, layout=md.layout,
-                                        device="meta", requires_grad=md.requires_grad)
-            if md.is_conj:
+            empty = torch.empty_strided(shape, stride, dtype=dtype, device=_META,
+                                        requires_grad=grad)
+            if conj:
                 torch._C._set_conj(empty, True)
-            if md.is_neg:
+            if neg:
                 torch._C._set_neg(empty, True)
-            if func.is_view:
-                storage = args[int(info.view_idx or 0)].untyped_storage()
-                empty.set_(storage, md.storage_offset, md.shape, md.stride)
-        return self._make(self.fake, empty, md.device)
+            if view >= 0:
+                empty.set_(args[view].untyped_storage(), offset, shape, stride)
+        return self._make(self.fake, empty, device)
 
     def _select(self, t: Any, dim: Any, index: Any) -> Any:
         """``t.select(dim, index)``, an RNN's ``x[t]``: a new key at every index, so never a
@@ -114,7 +114,7 @@ class FakeOpCache:
         offset = t.storage_offset() + index * stride[dim]
         del shape[dim], stride[dim]
         with torch._C._DisableTorchDispatch():
-            view = torch.empty((0,), dtype=t.dtype, device="meta")
+            view = torch.empty((0,), dtype=t.dtype, device=_META)
             view.set_(t.untyped_storage(), offset, shape, stride)
         return self._make(self.fake, view, t.fake_device)
 
@@ -132,7 +132,7 @@ class FakeOpCache:
         if not self._aliasing[func] and any(i.inplace_idx is not None or i.view_idx is not None
                                             for i in entry.output_infos):
             return _NEVER  # an output aliases an argument after all: keep the exact path
-        return entry.is_output_tuple, tuple(entry.output_infos)
+        return entry.is_output_tuple, tuple(_recipe(i, func.is_view) for i in entry.output_infos)
 
     def _key(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
              ) -> tuple[Any, ...] | None:
@@ -197,11 +197,32 @@ class CachedOps(TorchDispatchMode):  # type: ignore[no-untyped-call]
         return self.cache.call(func, args, kwargs or {})
 
 
+def _recipe(info: _DispatchCacheEntryOutputInfo, is_view: bool) -> tuple[Any, ...]:
+    """An entry's output, as the fields ``_output`` reads (-1: no such index)."""
+    inplace = -1 if info.inplace_idx is None else info.inplace_idx
+    md: Any = info.metadata
+    if md is None:
+        return (inplace, -1, None, None, None, False, False, False, 0, None,
+                info.constant_value)
+    view = int(info.view_idx) if is_view and info.view_idx is not None else -1
+    return (inplace, view, tuple(md.shape), tuple(md.stride), md.dtype, md.requires_grad,
+            md.is_conj, md.is_neg, md.storage_offset, md.device, None)
+
+
 def _plain_info(info: _DispatchCacheEntryOutputInfo) -> bool:
     md = info.metadata
     return md is None or (isinstance(md, TensorMetadata) and md.layout is torch.strided
                           and all(type(v) is int for v in (*md.shape, *md.stride,
                                                            md.storage_offset)))
+
+
+def fake_tensor(fake: FakeTensorMode, elem: torch.Tensor, device: torch.device,
+                requires_grad: bool = False) -> torch.Tensor:
+    """A fake tensor on ``device`` over the meta tensor ``elem`` (``FakeTensor(fake, elem,
+    device)``), a leaf that requires grad if asked."""
+    make = _fast_fake_tensor if _fast_matches(fake) else _slow_fake_tensor
+    out = make(fake, elem, device)
+    return out.requires_grad_() if requires_grad else out
 
 
 def _slow_fake_tensor(fake: FakeTensorMode, elem: torch.Tensor, device: torch.device
@@ -229,8 +250,18 @@ def _fast_fake_tensor(fake: FakeTensorMode, elem: torch.Tensor, device: torch.de
     return t
 
 
+_CHECKED: list[bool] = []
+
+
 def _fast_matches(fake: FakeTensorMode) -> bool:
-    """Whether ``_fast_fake_tensor`` makes what ``FakeTensor`` makes in this torch."""
+    """Whether ``_fast_fake_tensor`` makes what ``FakeTensor`` makes in this torch (checked
+    once)."""
+    if not _CHECKED:
+        _CHECKED.append(_check_fast(fake))
+    return _CHECKED[0]
+
+
+def _check_fast(fake: FakeTensorMode) -> bool:
     with torch._C._DisableTorchDispatch():
         elem = torch.empty_strided((2, 3), (3, 1), device="meta")
     ref = FakeTensor(fake, elem, torch.device("cpu"))

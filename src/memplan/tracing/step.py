@@ -23,7 +23,7 @@ from memplan.tracing.fake import (
     fake_call,
     fake_mode,
     fake_state,
-    meta_fakes,
+    make_fake_in_place,
     real_forward,
 )
 from memplan.tracing.opcache import FakeOpCache
@@ -159,9 +159,8 @@ def _run_step(target: Target, oracle: Oracle | None, record: bool, device: str |
             model = meta_model
             with torch.device(on):
                 inputs = target.workload.build_inputs()
-            params = meta_fakes(fake, dict(model.named_parameters()), on)
-            buffers = meta_fakes(fake, dict(model.named_buffers()), on)
-            call: Callable[..., Any] = fake_call(model, params, buffers)
+            params, buffers = make_fake_in_place(fake, model, on)
+            call: Callable[..., Any] = model
         else:
             model, inputs = _materialise(target, device)
             params = dict(model.named_parameters())
