@@ -195,6 +195,15 @@ def test_error_in_the_model_is_a_capture_error() -> None:
         memplan.capture(model, torch.randn(3, 4))
 
 
+def test_error_in_apply_check_is_a_capture_error() -> None:
+    x = torch.randn(3, 4)
+    plan = memplan.plan(memplan.capture(nn.Sequential(*_blocks(3, 4)), x))
+    broken = nn.Sequential(nn.Linear(4, 5), nn.Linear(4, 2))
+    with pytest.raises(CaptureError, match="apply: running Sequential's forward on fake"):
+        memplan.apply(broken, plan)
+    assert applied_state(broken) is None
+
+
 # --- 3. HF MoE with grouped_mm experts ---------------------------------------------------------
 
 

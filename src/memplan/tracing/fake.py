@@ -22,7 +22,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.func import functional_call
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from memplan.errors import PlanMismatch
+from memplan.errors import CaptureError, MemplanError, PlanMismatch
 from memplan.tracing import kernels  # noqa: F401  (fake kernels torch lacks, registered)
 from memplan.tracing.datadep import Oracle, run_with_oracle
 from memplan.tracing.opcache import fake_tensor
@@ -93,8 +93,9 @@ def make_fake_in_place(fake: FakeTensorMode, model: nn.Module, device: torch.dev
         for key, t in slots.items():
             if t is not None:
                 if id(t) not in fakes:
-                    fakes[id(t)] = fake_tensor(fake, t.detach(), device,
-                                               requires_grad=t.requires_grad)
+                    with torch._C._DisableTorchDispatch():  # a meta tensor: not the fake mode's
+                        elem = t.detach()
+                    fakes[id(t)] = fake_tensor(fake, elem, device, requires_grad=t.requires_grad)
                 slots[key] = fakes[id(t)]
 
     named = dict(model.named_parameters()), dict(model.named_buffers())
@@ -243,5 +244,14 @@ def forward_targets(model: nn.Module, inputs: Sequence[Any] | None,
         args = inputs if inputs is not None else spec_args(specs, model_device(model))
         real_forward(model, args, autocast=autocast)
 
-    targets: list[str] = run_with_oracle(attempt, real)
+    try:
+        targets: list[str] = run_with_oracle(attempt, real)
+    except MemplanError:
+        raise
+    except Exception as err:
+        raise CaptureError(
+            f"apply: running {type(model).__name__}'s forward on fake tensors, to check the "
+            f"plan against it, raised {type(err).__name__}: {err}. Check that the model runs "
+            "plainly on the plan's example inputs (or pass inputs=(...) to memplan.apply)."
+        ) from err
     return targets, call_ends
