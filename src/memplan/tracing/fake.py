@@ -26,7 +26,7 @@ from memplan.errors import CaptureError, MemplanError, PlanMismatch
 from memplan.tracing import kernels  # noqa: F401  (fake kernels torch lacks, registered)
 from memplan.tracing.datadep import Oracle, run_with_oracle
 from memplan.tracing.opcache import fake_tensor
-from memplan.tracing.tracer import is_counted
+from memplan.tracing.opinfo import is_counted
 
 DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64,

@@ -142,6 +142,18 @@ def run_step(target: Target, *, simulate: bool, record: bool, device: str | None
         ) from err
 
 
+@dataclass
+class _Step:
+    """What a step runs: the model (for its module paths), its parameters, buffers and inputs
+    as the step sees them (fake copies under a fake mode), and what to call."""
+
+    model: nn.Module
+    params: dict[str, torch.Tensor]
+    buffers: dict[str, torch.Tensor]
+    inputs: tuple[Any, ...]
+    call: Callable[..., Any]
+
+
 def _run_step(target: Target, oracle: Oracle | None, record: bool, device: str | None,
               fast: bool) -> StepResult:
     simulate = oracle is not None
@@ -149,39 +161,24 @@ def _run_step(target: Target, oracle: Oracle | None, record: bool, device: str |
     if simulate and fast and target.workload is not None:
         # Built on the meta device, outside the fake mode (init kernels in C++ rather than
         # one by one through the fake mode: most of a ResNet-1000's capture otherwise), and
-        # made fake below.
+        # made fake in _prepare.
         with no_cyclic_gc(), torch.device("meta"):
             meta_model = target.workload.build_model()
     with no_cyclic_gc(), _fake_mode(simulate) as fake:
+        step = _prepare(target, fake, meta_model, device)
         cache = FakeOpCache(fake) if fake is not None and fast else None
-        if fake is not None and meta_model is not None and target.workload is not None:
-            on = torch.device(device or "cpu")
-            model = meta_model
-            with torch.device(on):
-                inputs = target.workload.build_inputs()
-            params, buffers = make_fake_in_place(fake, model, on)
-            call: Callable[..., Any] = model
-        else:
-            model, inputs = _materialise(target, device)
-            params = dict(model.named_parameters())
-            buffers = dict(model.named_buffers())
-            call = model
-            if fake is not None:  # fake copies of the user's model and inputs
-                params, buffers = fake_state(fake, model)
-                inputs = fake_args(fake, inputs)
-                call = fake_call(model, params, buffers)
         tracer = StepTracer(record=record, fake=fake, oracle=oracle, cache=cache)
-        for p in params.values():
+        for p in step.params.values():
             tracer.register(p, g.PARAMETER)
             if p.grad is not None:
                 tracer.register(p.grad, g.GRADIENT)
-        for b in buffers.values():
+        for b in step.buffers.values():
             tracer.register(b, g.BUFFER)
-        for x in _tensors(inputs):
+        for x in _tensors(step.inputs):
             tracer.register(x, g.INPUT)
-        with module_hooks(tracer, model) if record else contextlib.nullcontext(), tracer:
+        with module_hooks(tracer, step.model) if record else contextlib.nullcontext(), tracer:
             tracer.in_model = True
-            out = call(*inputs)
+            out = step.call(*step.inputs)
             tracer.in_model = False
             tracer.model_ops = len(tracer.ops)
             loss = target.loss_fn(out)
@@ -191,7 +188,7 @@ def _run_step(target: Target, oracle: Oracle | None, record: bool, device: str |
                 i for i in (tracer._lookup(t) for t in _tensors((out, loss))) if i is not None
             )
             loss.backward()  # type: ignore[no-untyped-call]
-        param_list = list(params.values())
+        param_list = list(step.params.values())
         for p in param_list:
             if p.grad is not None:
                 vid = tracer._lookup(p.grad)
@@ -200,7 +197,23 @@ def _run_step(target: Target, oracle: Oracle | None, record: bool, device: str |
         del out, loss
         tracer.close()
         notes = oracle.notes() if oracle is not None else ()
-        return StepResult(tracer, param_list, output_ids, input_specs(inputs), notes)
+        return StepResult(tracer, param_list, output_ids, input_specs(step.inputs), notes)
+
+
+def _prepare(target: Target, fake: FakeTensorMode | None, meta_model: nn.Module | None,
+             device: str | None) -> _Step:
+    if fake is not None and meta_model is not None and target.workload is not None:
+        on = torch.device(device or "cpu")
+        with torch.device(on):
+            inputs = target.workload.build_inputs()
+        params, buffers = make_fake_in_place(fake, meta_model, on)
+        return _Step(meta_model, params, buffers, inputs, meta_model)
+    model, inputs = _materialise(target, device)
+    if fake is None:
+        return _Step(model, dict(model.named_parameters()), dict(model.named_buffers()),
+                     inputs, model)
+    params, buffers = fake_state(fake, model)  # fake copies of the user's model and inputs
+    return _Step(model, params, buffers, fake_args(fake, inputs), fake_call(model, params, buffers))
 
 
 def _materialise(target: Target, device: str | None) -> tuple[nn.Module, tuple[Any, ...]]:

@@ -2,8 +2,8 @@
 ops, their inputs/outputs, what autograd saves for each, their FLOPs and module paths.
 
 One ``TorchDispatchMode`` serves both capture (fake tensors) and measurement (fake or real):
-storages are identified by their ``StorageImpl`` and a ``weakref.finalize`` on the storage
-object tells us when it dies, so the live-byte count is O(1) per op (torch's ``MemTracker``
+storages are identified by their ``StorageImpl`` and a weak reference to the storage object
+tells us when it dies, so the live-byte count is O(1) per op (torch's ``MemTracker``
 rescans every weak reference on every op instead: ~245 s on ResNet-1000 here).
 """
 
@@ -18,12 +18,11 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
-from torch.utils.flop_counter import flop_registry
 
 from memplan.core import graph as g
 from memplan.tracing.datadep import Oracle
 from memplan.tracing.opcache import FakeOpCache
+from memplan.tracing.opinfo import OpInfo, op_info, shape_key, tensors_of
 
 
 @dataclass(slots=True)
@@ -53,36 +52,7 @@ class _OpRec:
     grad_of: int = -1
 
 
-_DETACH = torch.ops.aten.detach.default
 _PRIM_DEVICE = torch.ops.prim.device.default
-
-
-def is_counted(func: Any) -> bool:
-    """Whether an op gets an index in the captured forward (the runtime counts the same way)."""
-    return func.namespace != "prim" and func is not _DETACH
-
-
-def _mutated_arg_positions(func: Any) -> tuple[int, ...]:
-    return tuple(
-        i
-        for i, arg in enumerate(func._schema.arguments)
-        if arg.alias_info is not None and arg.alias_info.is_write
-    )
-
-
-@dataclass(frozen=True, slots=True)
-class _OpInfo:
-    """What the tracer needs of an op overload, worked out once per overload."""
-
-    counted: bool
-    target: str
-    mutated: tuple[int, ...]  # positions of the arguments it writes
-    formula: Any  # torch's FLOP formula, or None
-
-
-def _op_info(func: Any) -> _OpInfo:
-    return _OpInfo(is_counted(func), str(func), _mutated_arg_positions(func),
-                   flop_registry.get(func.overloadpacket))
 
 
 class StepTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
@@ -124,7 +94,7 @@ class StepTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self._pending: list[tuple[int, list[tuple[weakref.ref[torch.Tensor], bool]], int]] = []
         self._hooked_nodes: set[int] = set()
         self._node_refs: list[tuple[Any, int]] = []
-        self._info: dict[Any, _OpInfo] = {}
+        self._info: dict[Any, OpInfo] = {}
         self._flops: dict[tuple[Any, ...], int] = {}
         self._constants: list[torch.Tensor] = []  # fake copies of real tensors the step reads
         self._saved_names: dict[type, tuple[str, ...]] = {}
@@ -209,7 +179,7 @@ class StepTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
         kwargs = kwargs or {}
         info = self._info.get(func)
         if info is None:
-            info = self._info[func] = _op_info(func)
+            info = self._info[func] = op_info(func)
         if self._paused or not info.counted:
             # prim.device & co. are metadata queries of tensor subclasses, not computation;
             # autograd dispatches detach for saved outputs only when no saved-tensor hooks are
@@ -217,7 +187,7 @@ class StepTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
             return self._run(func, args, kwargs)
         if self.record and self._pending:
             self._hook_pending_nodes()
-        in_tensors = _tensors_of(args, kwargs)
+        in_tensors = tensors_of(args, kwargs)
         self.event += 1
         # Inputs we never saw existed before the step: count them, as "external".
         by_storage = self._by_storage
@@ -229,7 +199,7 @@ class StepTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
             out = self._run(func, args, kwargs)
         else:
             out = self.oracle.call(func, args, kwargs, self._run)
-        out_tensors: list[torch.Tensor] = [out] if type(out) is FakeTensor else _tensors_of(out)
+        out_tensors: list[torch.Tensor] = [out] if type(out) is FakeTensor else tensors_of(out)
         forward = self.phase == "forward"
         if forward:
             kind, producer = g.ACTIVATION, len(self.ops)
@@ -245,7 +215,7 @@ class StepTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
         return out
 
     def _record(
-        self, info: _OpInfo, args: tuple[Any, ...], inputs: list[int], made: list[int],
+        self, info: OpInfo, args: tuple[Any, ...], inputs: list[int], made: list[int],
         out_tensors: list[torch.Tensor], out: Any,
     ) -> None:
         mutated: list[int] = []
@@ -279,10 +249,10 @@ class StepTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
             if grad_of >= 0:
                 self.ops[grad_of].bwd_flops += flops
 
-    def _formula_flops(self, info: _OpInfo, args: tuple[Any, ...], out: Any) -> int:
+    def _formula_flops(self, info: OpInfo, args: tuple[Any, ...], out: Any) -> int:
         """torch's FLOP formula (matmul, conv, attention): a function of shapes and flags,
         worked out once per distinct call."""
-        key = _shape_key(info.target, args, out)
+        key = shape_key(info.target, args, out)
         flops = self._flops.get(key) if key is not None else None
         if flops is None:
             flops = int(info.formula(*args, out_val=out))
@@ -404,44 +374,6 @@ class StepTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
 def _call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return func(*args, **kwargs)
-
-
-def _tensors_of(args: Any, kwargs: dict[str, Any] | None = None) -> list[torch.Tensor]:
-    """The tensors among an op's arguments (or outputs), in ``tree_flatten`` order: aten
-    arguments nest lists one level deep at most, so a hand walk does what pytree's general one
-    does, at a fraction of the cost."""
-    if isinstance(args, torch.Tensor):
-        return [args]
-    out: list[torch.Tensor] = []
-    items = args if isinstance(args, (list, tuple)) else (args,)
-    for a in (*items, *kwargs.values()) if kwargs else items:
-        if isinstance(a, torch.Tensor):
-            out.append(a)
-        elif isinstance(a, (list, tuple)):
-            out.extend(_tensors_of(a))
-        elif isinstance(a, dict):
-            flat, _ = tree_flatten(a)
-            out.extend(t for t in flat if isinstance(t, torch.Tensor))
-    return out
-
-
-def _shape_key(target: str, args: tuple[Any, ...], out: Any) -> tuple[Any, ...] | None:
-    """What a FLOP formula reads of a call: shapes of tensors, other arguments as they are
-    (None when one of them is not hashable)."""
-    key: list[Any] = [target]
-    for a in (*args, out):
-        if isinstance(a, torch.Tensor):
-            key.append(a.shape)
-        elif isinstance(a, (list, tuple)):
-            key.append(tuple(b.shape if isinstance(b, torch.Tensor) else b for b in a))
-        else:
-            key.append(a)
-    frozen = tuple(key)
-    try:
-        hash(frozen)
-    except TypeError:
-        return None
-    return frozen
 
 
 @contextmanager
