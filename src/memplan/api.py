@@ -85,8 +85,10 @@ def plan(w_or_model: Any, *inputs: Any, loss_fn: Any = None, budget: object = No
         params["stage_time_s"] = stage_time_s
     given: g.Graph | C.Chain = graph if planner in GRAPH_PLANNERS else chain
     result = PLANNERS[planner](given, budget_bytes, **params)
-    # Bind the plan to the model's forward, so that apply() can check a model against it.
-    return dataclasses.replace(result, forward=graph.forward)
+    # Bind the plan to the model's forward, so that apply() can check a model against it, and
+    # say what the capture assumed.
+    assumed = graph.forward.assumptions if graph.forward else ()
+    return dataclasses.replace(result, forward=graph.forward, notes=result.notes + assumed)
 
 
 def _planner_chain(planner: str, graph: g.Graph, chain: C.Chain, params: dict[str, Any]

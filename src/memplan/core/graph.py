@@ -95,16 +95,22 @@ class ForwardSpec:
     fingerprint: str  # forward_fingerprint() of their targets
     inputs: tuple[dict[str, Any], ...]  # example inputs: {shape, dtype, requires_grad}, {value}
     autocast: dict[str, str]  # device -> dtype where autocast was on: it changes the ops
+    # What the capture assumed (e.g. data-dependent sizes of the example batch); plans say it.
+    assumptions: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
-        return {"ops": self.ops, "fingerprint": self.fingerprint,
-                "inputs": [dict(s) for s in self.inputs], "autocast": dict(self.autocast)}
+        out = {"ops": self.ops, "fingerprint": self.fingerprint,
+               "inputs": [dict(s) for s in self.inputs], "autocast": dict(self.autocast)}
+        if self.assumptions:  # absent when none: older readers and stored graphs unchanged
+            out["assumptions"] = list(self.assumptions)
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ForwardSpec:
         return cls(int(data["ops"]), str(data["fingerprint"]),
                    tuple(dict(s) for s in data.get("inputs", [])),
-                   dict(data.get("autocast") or {}))
+                   dict(data.get("autocast") or {}),
+                   tuple(str(a) for a in data.get("assumptions", ())))
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ import torch
 
 from memplan.core import graph as g
 from memplan.core.liveness import cut_points
-from memplan.tracing.step import LossFn, as_target, run_step
+from memplan.tracing.step import LossFn, Target, as_target, no_cyclic_gc, run_step
 from memplan.tracing.tracer import StepTracer
 
 
@@ -22,15 +22,22 @@ def capture(model: Any, *inputs: Any, loss_fn: LossFn | None = None,
     (Workloads only; a user model is captured where its parameters are): kernels differ by
     device (e.g. attention on CUDA), so capture for the device you train on.
     """
-    target = as_target(model, inputs, loss_fn)
-    result = run_step(target, simulate=True, record=True, device=device)
-    tracer = result.tracer
-    n = tracer.model_ops
-    forward = g.ForwardSpec(n, g.forward_fingerprint([o.target for o in tracer.ops[:n]]),
-                            tuple(result.input_specs), autocast_state())
-    graph = build_graph(tracer, target.name, result.output_ids, forward)
-    del result, tracer
-    gc.collect()  # the step's autograd graph and fake tensors: freed now, not during planning
+    return capture_target(as_target(model, inputs, loss_fn), device)
+
+
+def capture_target(target: Target, device: str | None = None, fast: bool = True) -> g.Graph:
+    """``capture`` of a Target (``fast=False``: the reference path, see ``step.run_step``)."""
+    with no_cyclic_gc():  # until the Graph is built: see step.no_cyclic_gc
+        result = run_step(target, simulate=True, record=True, device=device, fast=fast)
+        tracer = result.tracer
+        n = tracer.model_ops
+        forward = g.ForwardSpec(n, g.forward_fingerprint([o.target for o in tracer.ops[:n]]),
+                                tuple(result.input_specs), autocast_state(), result.notes)
+        graph = build_graph(tracer, target.name, result.output_ids, forward)
+        del result, tracer
+    # One full pass now, over the Graph and whatever the step left: the collector would
+    # otherwise make it during planning (all of it is in the youngest generation).
+    gc.collect()
     return graph
 
 

@@ -3,12 +3,16 @@ inputs (``FakeTensorMode``: shapes and dtypes, no memory), so that paper-scale s
 on a laptop and plans are checked against a model without touching it.
 
 Capture (``step.run_step``), ``memplan.apply``'s check of a plan (``forward_targets``) and
-``memplan.distributed``'s unit inputs all run their forward through here.
+``memplan.distributed``'s unit inputs all run their forward through here. Real tensors the
+forward or the loss closes over (targets, class weights, masks) become fake copies as they are
+met: constants of the step. Ops whose output depends on tensor data are sized from one real
+forward (``datadep``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -18,8 +22,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.func import functional_call
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from memplan.errors import PlanMismatch
-from memplan.tracing.tracer import is_counted
+from memplan.errors import CaptureError, MemplanError, PlanMismatch
+from memplan.tracing import kernels  # noqa: F401  (fake kernels torch lacks, registered)
+from memplan.tracing.datadep import Oracle, run_with_oracle
+from memplan.tracing.opcache import fake_tensor
+from memplan.tracing.opinfo import is_counted
 
 DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64,
@@ -46,6 +53,21 @@ def functional_state(model: nn.Module, by_name: dict[str, torch.Tensor]) -> dict
     return out
 
 
+@contextlib.contextmanager
+def fake_mode() -> Iterator[FakeTensorMode]:
+    """The fake mode of every memplan fake run. Real tensors met as inputs of an op (what a
+    forward or a loss closes over) are converted to fake copies, once each. A failing op is
+    reported once, as memplan's error: torch's logging of it is held back meanwhile."""
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    was_disabled = log.disabled
+    log.disabled = True
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            yield mode
+    finally:
+        log.disabled = was_disabled
+
+
 def fake_state(fake: FakeTensorMode, model: nn.Module
                ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Fake copies of the model's parameters (leaves that keep requires_grad, with no grad:
@@ -56,6 +78,31 @@ def fake_state(fake: FakeTensorMode, model: nn.Module
         t.grad = None
         params[name] = t
     buffers: dict[str, torch.Tensor] = {n: fake.from_tensor(b) for n, b in model.named_buffers()}
+    return params, buffers
+
+
+def make_fake_in_place(fake: FakeTensorMode, model: nn.Module, device: torch.device
+                       ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Turn ``model``, built on the meta device (a Workload: no values, its init kernels in
+    C++ rather than through the fake mode), into a fake model on ``device``, in place: every
+    parameter and buffer slot holds a fake tensor (tied ones the same). Returns them as
+    ``named_parameters()`` / ``named_buffers()`` name them."""
+    fakes: dict[int, torch.Tensor] = {}
+
+    def swap(slots: dict[str, Any]) -> None:
+        for key, t in slots.items():
+            if t is not None:
+                if id(t) not in fakes:
+                    with torch._C._DisableTorchDispatch():  # a meta tensor: not the fake mode's
+                        elem = t.detach()
+                    fakes[id(t)] = fake_tensor(fake, elem, device, requires_grad=t.requires_grad)
+                slots[key] = fakes[id(t)]
+
+    named = dict(model.named_parameters()), dict(model.named_buffers())
+    for module in model.modules():
+        swap(module._parameters)
+        swap(module._buffers)
+    params, buffers = ({name: fakes[id(t)] for name, t in group.items()} for group in named)
     return params, buffers
 
 
@@ -107,6 +154,32 @@ def untouched(model: nn.Module) -> Iterator[None]:
         torch.set_rng_state(rng)
 
 
+@contextlib.contextmanager
+def autocast_as(autocast: dict[str, str] | None) -> Iterator[None]:
+    """Autocast on for each device of ``autocast`` (device -> dtype), as at capture."""
+    with contextlib.ExitStack() as stack:
+        for kind, dtype in (autocast or {}).items():
+            stack.enter_context(torch.autocast(kind, dtype=DTYPES[dtype]))
+        yield
+
+
+def real_forward(model: nn.Module, args: Sequence[Any], loss_fn: Callable[[Any], Any] | None = None,
+                 autocast: dict[str, str] | None = None) -> None:
+    """One real training-mode forward (and loss) under ``no_grad``: what sizes data-dependent
+    ops (``datadep``). Buffers are updated on copies; the model's parameters, buffers,
+    training mode and the RNG are left as they were."""
+    buffers = {name: b.clone() for name, b in model.named_buffers()}
+    with untouched(model), torch.no_grad(), autocast_as(autocast):
+        out = functional_call(model, functional_state(model, buffers), tuple(args),
+                              tie_weights=False)
+        if loss_fn is not None:
+            loss_fn(out)
+
+
+def model_device(model: nn.Module) -> torch.device:
+    return next(iter(model.parameters()), torch.empty(0)).device
+
+
 def fake_forward(model: nn.Module, inputs: Sequence[Any] | None,
                  specs: Sequence[dict[str, Any]] = (), autocast: dict[str, str] | None = None,
                  within: Sequence[contextlib.AbstractContextManager[Any]] = ()) -> None:
@@ -114,13 +187,11 @@ def fake_forward(model: nn.Module, inputs: Sequence[Any] | None,
     (or, when None, from input ``specs``), under ``autocast`` and the context managers
     ``within``. The model's parameters, buffers, training mode and the RNG are left as they
     were."""
-    device = next(iter(model.parameters()), torch.empty(0)).device
-    with untouched(model), FakeTensorMode(allow_non_fake_inputs=False) as fake:
+    device = model_device(model)
+    with untouched(model), fake_mode() as fake:
         params, buffers = fake_state(fake, model)
         args = spec_args(specs, device) if inputs is None else fake_args(fake, inputs)
-        with contextlib.ExitStack() as stack:
-            for kind, dtype in (autocast or {}).items():
-                stack.enter_context(torch.autocast(kind, dtype=DTYPES[dtype]))
+        with autocast_as(autocast), contextlib.ExitStack() as stack:
             for cm in within:
                 stack.enter_context(cm)
             stack.enter_context(torch.enable_grad())
@@ -130,14 +201,20 @@ def fake_forward(model: nn.Module, inputs: Sequence[Any] | None,
 class _OpCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """The targets of the ops a forward runs, counted the way capture counts them."""
 
-    def __init__(self) -> None:
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # never compiled: spare every op torch's dynamo-disable wrapper
+
+    def __init__(self, oracle: Oracle) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.targets: list[str] = []
+        self.oracle = oracle
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
                            ) -> Any:
         if is_counted(func):
             self.targets.append(str(func))
+            return self.oracle.call(func, args, kwargs or {})
         return func(*args, **(kwargs or {}))
 
 
@@ -148,14 +225,33 @@ def forward_targets(model: nn.Module, inputs: Sequence[Any] | None,
     """The op sequence of one training-mode forward on fake tensors (counted as capture
     counts), and for each module path in ``watch`` the op count at the end of each of its
     calls."""
-    counter = _OpCounter()
-    call_ends: dict[str, list[int]] = {path: [] for path in watch}
-    hooks = [model.get_submodule(path).register_forward_hook(
-        lambda mod, a, o, path=path: call_ends[path].append(len(counter.targets)))
-        for path in watch]
+    call_ends: dict[str, list[int]] = {}
+
+    def attempt(oracle: Oracle) -> list[str]:
+        counter = _OpCounter(oracle)
+        call_ends.update({path: [] for path in watch})
+        hooks = [model.get_submodule(path).register_forward_hook(
+            lambda mod, a, o, path=path: call_ends[path].append(len(counter.targets)))
+            for path in watch]
+        try:
+            fake_forward(model, inputs, specs, autocast, within=[counter])
+        finally:
+            for h in hooks:
+                h.remove()
+        return counter.targets
+
+    def real() -> None:
+        args = inputs if inputs is not None else spec_args(specs, model_device(model))
+        real_forward(model, args, autocast=autocast)
+
     try:
-        fake_forward(model, inputs, specs, autocast, within=[counter])
-    finally:
-        for h in hooks:
-            h.remove()
-    return counter.targets, call_ends
+        targets: list[str] = run_with_oracle(attempt, real)
+    except MemplanError:
+        raise
+    except Exception as err:
+        raise CaptureError(
+            f"apply: running {type(model).__name__}'s forward on fake tensors, to check the "
+            f"plan against it, raised {type(err).__name__}: {err}. Check that the model runs "
+            "plainly on the plan's example inputs (or pass inputs=(...) to memplan.apply)."
+        ) from err
+    return targets, call_ends
