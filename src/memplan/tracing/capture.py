@@ -9,7 +9,7 @@ import torch
 
 from memplan.core import graph as g
 from memplan.core.liveness import cut_points
-from memplan.tracing.step import LossFn, as_target, run_step
+from memplan.tracing.step import LossFn, StepResult, as_target, run_step
 from memplan.tracing.tracer import StepTracer
 
 
@@ -28,10 +28,30 @@ def capture(model: Any, *inputs: Any, loss_fn: LossFn | None = None,
     n = tracer.model_ops
     forward = g.ForwardSpec(n, g.forward_fingerprint([o.target for o in tracer.ops[:n]]),
                             tuple(result.input_specs), autocast_state())
-    graph = build_graph(tracer, target.name, result.output_ids, forward)
+    unsaved = unsaved_deaths(tracer, run_step(target, simulate=True, record=False,
+                                              device=device, save=False))
+    graph = build_graph(tracer, target.name, result.output_ids, forward, unsaved)
     del result, tracer
     gc.collect()  # the step's autograd graph and fake tensors: freed now, not during planning
     return graph
+
+
+def unsaved_deaths(tracer: StepTracer, unsaved: StepResult) -> dict[int, int]:
+    """Value id -> its death in the forward run that saved nothing (``run_step(save=False)``),
+    for values that died there before the forward's end; matched by the op that made them
+    and their place among its outputs. A run that differs (another op count) gives nothing."""
+    other = unsaved.tracer
+    if len(other.made) != len(tracer.made):
+        return {}
+    out: dict[int, int] = {}
+    for mine, theirs in zip(tracer.made, other.made):
+        if len(mine) != len(theirs):
+            return {}
+        for vid, uid in zip(mine, theirs):
+            death = other.values[uid].death
+            if uid not in unsaved.alive_after_forward and death is not None:
+                out[vid] = death
+    return out
 
 
 def autocast_state() -> dict[str, str]:
@@ -47,9 +67,12 @@ def autocast_state() -> dict[str, str]:
 
 
 def build_graph(tracer: StepTracer, name: str, output_ids: tuple[int, ...],
-                forward: g.ForwardSpec | None) -> g.Graph:
+                forward: g.ForwardSpec | None, unsaved: dict[int, int] | None = None
+                ) -> g.Graph:
+    unsaved = unsaved or {}
     values = tuple(
-        g.Value(v.id, v.nbytes, v.kind, v.producer, v.birth, v.death, v.shape, v.dtype)
+        g.Value(v.id, v.nbytes, v.kind, v.producer, v.birth, v.death, v.shape, v.dtype,
+                _earlier(unsaved.get(v.id), v.death))
         for v in tracer.values
     )
     ops = tuple(_freeze(o) for o in tracer.ops)
@@ -60,8 +83,15 @@ def build_graph(tracer: StepTracer, name: str, output_ids: tuple[int, ...],
                    tracer.forward_peak_bytes, forward)
 
 
+def _earlier(a: int | None, b: int | None) -> int | None:
+    """The earlier of two deaths (None: alive after the step)."""
+    if a is None:
+        return b
+    return a if b is None else min(a, b)
+
+
 def _freeze(o: Any) -> g.Op:
     return g.Op(
         o.index, o.target, o.module, tuple(o.inputs), tuple(o.outputs), tuple(o.mutated),
-        tuple(o.saved), o.fwd_flops, o.bwd_flops, o.grad_of,
+        tuple(o.saved), o.fwd_flops, o.bwd_flops, o.grad_of, o.unpack_event, o.release_event,
     )

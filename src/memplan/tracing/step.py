@@ -74,6 +74,15 @@ class StepResult:
     params: list[torch.Tensor]
     output_ids: tuple[int, ...]
     input_specs: list[dict[str, Any]]
+    alive_after_forward: frozenset[int] = frozenset()  # value ids (``save=False`` only)
+
+
+def _dropped(t: torch.Tensor) -> None:
+    return None
+
+
+def _never_unpacked(obj: None) -> torch.Tensor:
+    raise AssertionError("memplan: a forward run with save=False has no backward")
 
 
 @contextlib.contextmanager
@@ -98,8 +107,11 @@ def _fake_mode(simulate: bool) -> Iterator[FakeTensorMode | None]:
         yield mode
 
 
-def run_step(target: Target, *, simulate: bool, record: bool, device: str | None = None) -> StepResult:
-    """One forward+loss+backward under a tracer. Fake tensors when ``simulate``."""
+def run_step(target: Target, *, simulate: bool, record: bool, device: str | None = None,
+             save: bool = True) -> StepResult:
+    """One forward+loss+backward under a tracer. Fake tensors when ``simulate``. With
+    ``save=False``: forward and loss only, with autograd keeping nothing it would save (a
+    saved-tensor hook drops it), so each value dies when the user's code drops it."""
     with _no_cyclic_gc(), _fake_mode(simulate) as fake:
         model, inputs = _materialise(target, fake, device)
         params: dict[str, torch.Tensor] = dict(model.named_parameters())
@@ -118,18 +130,25 @@ def run_step(target: Target, *, simulate: bool, record: bool, device: str | None
             tracer.register(b, g.BUFFER)
         for x in _tensors(inputs):
             tracer.register(x, g.INPUT)
+        drop = (contextlib.nullcontext() if save
+                else torch.autograd.graph.saved_tensors_hooks(_dropped, _never_unpacked))
+        alive: frozenset[int] = frozenset()
         with module_hooks(tracer, model) if record else contextlib.nullcontext(), tracer:
-            tracer.in_model = True
-            out = call(*inputs)
-            tracer.in_model = False
-            tracer.model_ops = len(tracer.ops)
-            loss = target.loss_fn(out)
+            with drop:
+                tracer.in_model = True
+                out = call(*inputs)
+                tracer.in_model = False
+                tracer.model_ops = len(tracer.ops)
+                loss = target.loss_fn(out)
             _check_loss(loss)
             tracer.end_forward()
             output_ids = tuple(
                 i for i in (tracer._lookup(t) for t in _tensors((out, loss))) if i is not None
             )
-            loss.backward()  # type: ignore[no-untyped-call]
+            if save:
+                loss.backward()  # type: ignore[no-untyped-call]
+            else:
+                alive = frozenset(v.id for v in tracer.values if v.death is None)
         param_list = list(params.values())
         for p in param_list:
             if p.grad is not None:
@@ -138,7 +157,7 @@ def run_step(target: Target, *, simulate: bool, record: bool, device: str | None
                     tracer.values[vid].kind = g.GRADIENT
         del out, loss
         tracer.close()
-        return StepResult(tracer, param_list, output_ids, input_specs(inputs))
+        return StepResult(tracer, param_list, output_ids, input_specs(inputs), alive)
 
 
 def _materialise(

@@ -47,6 +47,8 @@ class _OpRec:
     fwd_flops: int = 0
     bwd_flops: int = 0
     grad_of: int = -1
+    unpack_event: int = -1
+    release_event: int = -1
 
 
 _DETACH = torch.ops.aten.detach.default
@@ -93,6 +95,7 @@ class StepTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self._node_refs: list[tuple[Any, int]] = []
         self._mutates: dict[Any, tuple[int, ...]] = {}
         self._saved_names: dict[type, tuple[str, ...]] = {}
+        self.made: list[list[int]] = []  # per forward op: the storages it made (value ids)
 
     # --- storages ----------------------------------------------------------------------------
 
@@ -169,6 +172,8 @@ class StepTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
         for t in flat_out:
             if isinstance(t, torch.Tensor) and self._lookup(t) is None:
                 made.append(self.register(t, kind, index if forward else -1))
+        if forward:
+            self.made.append(made)
         self._note_peak()
         if self.record:
             self._record(func, args, inputs, made, flat_out, out)
@@ -193,7 +198,8 @@ class StepTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
         module = self.module_stack[-1][0] if self.module_stack else ("" if self.in_model else "<loss>")
         uniq_inputs = list(dict.fromkeys(v for v in inputs if v is not None))
         if forward:
-            rec = _OpRec(len(self.ops), target, module, uniq_inputs, made, mutated, fwd_flops=flops)
+            rec = _OpRec(len(self.ops), target, module, uniq_inputs, made, mutated,
+                         fwd_flops=flops)
             self.ops.append(rec)
             tensors = [weakref.ref(t) for t in flat_out if isinstance(t, torch.Tensor)]
             self._pending.append((rec.index, tensors, 0))
@@ -274,8 +280,17 @@ class StepTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
         def prehook(grad_outputs: Any) -> None:
             self._grad_of = index
+            if index >= 0:
+                self.ops[index].unpack_event = self.event
+
+        def posthook(grad_inputs: Any, grad_outputs: Any) -> None:
+            # The engine releases what the node saved right after its post hooks, before it
+            # adds the node's outputs into other nodes' input buffers.
+            self.ops[index].release_event = self.event
 
         node.register_prehook(prehook)
+        if index >= 0:
+            node.register_hook(posthook)
 
     # --- module structure --------------------------------------------------------------------
 
