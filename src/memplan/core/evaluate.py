@@ -224,11 +224,10 @@ class _Run:
                 end = max(end, m[native[v.id]])
             for root in tape_kept.get(v.id, ()):
                 end = max(end, m[tape_death[root.index]])
-            if self._held(v.id):
-                root = self._root_of_value(v.id)
-                assert root is not None
-                end = max(end, timeline.replay_end(root.index) if root.index in trigger
-                          else m[tape_death[root.index]])
+            held_by = self._root_of_value(v.id) if self._held(v.id) else None
+            if held_by is not None:
+                end = max(end, timeline.replay_end(held_by.index) if held_by.index in trigger
+                          else m[tape_death[held_by.index]])
             intervals.append((birth, end, v.nbytes))
         for o, root, nbytes in record_copies:
             intervals.append((m[o], m[tape_death[root.index]], nbytes))
