@@ -83,22 +83,25 @@ class CutPoint:
     live_bytes: int
     module: str
     depth: int
-    # How the runtime finds it: "call", the end of a call of ``module`` (a forward hook);
-    # "op", after op ``after`` of functional code (ops counted from the previous boundary).
+    # How it was found, and how the runtime finds it: "call" / "leaf", the end of a call of
+    # ``module`` with / without submodules (a forward hook on it); "op", after op ``after``
+    # of functional code (the runtime counts ops from the previous boundary).
     kind: str = "call"
 
 
-CALL, OP = "call", "op"  # CutPoint kinds
+CALL, LEAF, OP = "call", "leaf", "op"  # CutPoint kinds
 
 
 @dataclass(frozen=True)
 class ModuleCall:
-    """One module call, spanning forward ops ``start`` .. ``end`` - 1."""
+    """One module call, spanning forward ops ``start`` .. ``end`` - 1; ``leaf``: a module
+    without submodules (a Linear, a GELU)."""
 
     path: str
     start: int
     end: int
     depth: int
+    leaf: bool = False
 
 
 @dataclass(frozen=True)

@@ -303,8 +303,8 @@ class StepTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
     def module_post(self) -> None:
         path, start, children = self.module_stack.pop()
         depth = len(self.module_stack)
-        if children:  # leaf calls (a conv, a relu) are never stage boundaries
-            self.module_calls.append(g.ModuleCall(path, start, len(self.ops), depth))
+        if len(self.ops) > start:
+            self.module_calls.append(g.ModuleCall(path, start, len(self.ops), depth, not children))
 
     # --- phases ------------------------------------------------------------------------------
 
