@@ -69,7 +69,7 @@ def test_plan_entry_point() -> None:
 def test_plan_entry_point_gives_ilp_the_graph() -> None:
     model, x = unet_inputs()
     plan = planning.plan(model, x, loss_fn=unet_loss, budget=0.8, planner="ilp")
-    assert plan.planner == "ilp" and len(plan.stages) == 9
+    assert plan.planner == "ilp" and len(plan.stages) == len(tiny("unet").cut_points)
     assert plan.peak_bytes <= int(0.8 * tiny("unet").peak_bytes)
     assert plan.forward is not None
 

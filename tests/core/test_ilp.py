@@ -66,9 +66,16 @@ def unet_graph() -> Graph:
 
 def test_unet_long_skips_make_cuts_unclean() -> None:
     g = unet_graph()
-    assert len(g.cut_points) == 9 and C.clean_cuts(g) == [0, 6, 7, 8]
+    # Call cuts at each block's end; the full-resolution decoder gap (over a quarter of what
+    # the forward saves) also gets its leaf-call ends and op boundaries (liveness.fine_cuts).
+    kinds = [c.kind for c in g.cut_points]
+    assert kinds.count("call") == 9 and "leaf" in kinds and "op" in kinds
+    # Encoder outputs skip to the decoder: cuts between down.0 and the last skip's read are
+    # not clean; those after it are.
+    last_skip_read = next(i for i, c in enumerate(g.cut_points) if c.kind != "call") + 1
+    assert C.clean_cuts(g) == [0, *range(last_skip_read, len(g.cut_points))]
     fine = ilp_chain(g)
-    assert fine.n == 9 and C.build_chain(g).n == 4
+    assert fine.n == len(g.cut_points) and C.build_chain(g).n == len(C.clean_cuts(g))
     plain = S.simulate(fine, S.plain_schedule(fine))[0]
     assert plain == S.simulate(C.build_chain(g), S.plain_schedule(C.build_chain(g)))[0]
     assert plain == g.peak_bytes
@@ -79,16 +86,17 @@ def test_ilp_at_least_as_good_as_optimal_on_unet(fraction: float) -> None:
     g = unet_graph()
     budget = int(g.peak_bytes * fraction)
     plan = PLANNERS["ilp"](g, budget)
-    fine = ilp_chain(g)
-    S.validate(fine, plan.schedule)
-    assert S.simulate(fine, plan.schedule) == (plan.peak_bytes,
-                                                plan.extra_flops + int(fine.f.sum()))
+    fine, clean = ilp_chain(g), C.build_chain(g)
+    # The MILP's plan over every cut, or the dynamic program's over the clean chain when better
+    on = fine if [s.last_op for s in plan.stages] == fine.last.tolist() else clean
+    assert [s.last_op for s in plan.stages] == on.last.tolist()
+    S.validate(on, plan.schedule)
+    assert S.simulate(on, plan.schedule) == (plan.peak_bytes, plan.extra_flops + int(on.f.sum()))
     assert plan.peak_bytes <= budget and plan.planner == "ilp"
-    assert [s.last_op for s in plan.stages] == fine.last.tolist()
     try:
-        dp = PLANNERS["optimal"](g, budget)  # the clean chain: 4 stages
+        dp = PLANNERS["optimal"](g, budget)  # the clean chain
     except BudgetTooSmall:
-        assert fraction <= 0.85  # the clean chain cannot go below ~0.89 of plain
+        assert fraction <= 0.75  # the clean chain cannot go below ~0.72 of plain
         return
     assert plan.extra_flops <= dp.extra_flops
 

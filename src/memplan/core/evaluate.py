@@ -79,6 +79,18 @@ def evaluate(graph: g.Graph, plan: Plan) -> Evaluation:
     return _Run(graph, plan).peak()
 
 
+def idle_scopes(graph: g.Graph, plan: Plan) -> list[tuple[int, int]]:
+    """Stage ranges (first, last) of the plan's recompute scopes that autograd would give no
+    handle to (nothing they make is saved inside their top scope, nor in a nested one): the
+    runtime never replays them, and keeping their stages plainly holds no more."""
+    run = _Run(graph, plan)
+    run._classify_saves()
+    first_stage = {st.first_op: st.index for st in plan.stages}
+    last_stage = {st.last_op: st.index for st in plan.stages}
+    return [(first_stage[sc.lo_op], last_stage[sc.hi_op]) for sc in run.scopes
+            if not any(s.handles for s in sc.subtree())]
+
+
 class _Run:
     """One evaluation: scopes, the lifetimes of originals, replays, then a sweep."""
 
@@ -277,8 +289,9 @@ class _Run:
         return out
 
     def _stash_holds(self, sc: _Scope, tl: _Timeline) -> dict[int, int]:
-        """Values made in ``sc`` that nested scopes take as inputs from its replay: the moment
-        until which the last of them keeps it (the end of its replay, or its release)."""
+        """Values made in ``sc`` before a nested scope starts that the nested scope (or one
+        nested in it) reads: it takes them from ``sc``'s replay. The moment until which the
+        last of them keeps one (the end of its replay, or its release)."""
         out: dict[int, int] = {}
         for child in sc.children:
             for d in child.subtree():
@@ -292,7 +305,7 @@ class _Run:
                 for o in range(d.lo_op, d.hi_op + 1):
                     for vid in self.g.ops[o].inputs:
                         p = self.g.values[vid].producer
-                        if (self.g.values[vid].kind == g.ACTIVATION and sc.lo_op <= p < d.lo_op):
+                        if self.g.values[vid].kind == g.ACTIVATION and sc.lo_op <= p < child.lo_op:
                             out[vid] = max(out.get(vid, -1), until)
         return out
 
@@ -376,4 +389,4 @@ def _earlier(a: int | None, b: int | None) -> int | None:
     return a if b is None else min(a, b)
 
 
-__all__ = ["Evaluation", "evaluate"]
+__all__ = ["Evaluation", "evaluate", "idle_scopes"]

@@ -35,6 +35,7 @@ at moderate ones (benchmarks/planners.py).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -344,6 +345,15 @@ def plan_ilp(graph: ChainLike, budget_bytes: int | None = None, time_limit_s: fl
     status = f"MILP (HiGHS, regions nested <= {max_depth} deep): {status}"
     mine = None if res.schedule is None else wrap(expand(res.schedule, groups), budget_bytes,
                                                   [status])
+    clean = _clean_dp(graph, chain, budget_bytes, drop_cheap, stage_time_s)
+    best = min((p for p in (mine, dp, clean) if p is not None),
+               key=lambda p: _key(p, budget_bytes), default=None)
+    if best is not None and best is clean and best is not mine:
+        assert clean is not None
+        note = (f"{status}; the 'optimal' dynamic program's plan on the clean chain "
+                f"({len(clean.stages)} stages) is better and returned")
+        return dataclasses.replace(clean, planner="ilp", params=params,
+                                   notes=(*notes, note))
     if mine is not None and dp is not None and _key(dp, budget_bytes) < _key(mine, budget_bytes):
         return wrap(dp.schedule, budget_bytes, [(f"{status}; the 'optimal' dynamic program's "
                                                 "plan is better and returned")])
@@ -362,6 +372,21 @@ def plan_ilp(graph: ChainLike, budget_bytes: int | None = None, time_limit_s: fl
     if budget_bytes is not None and mine.peak_bytes > budget_bytes:  # never: checked above
         raise budget_too_small(budget_bytes, mine.peak_bytes, "ilp")
     return mine
+
+
+def _clean_dp(graph: ChainLike, chain: C.Chain, budget_bytes: int | None, drop_cheap: bool,
+              stage_time_s: list[float] | None) -> Plan | None:
+    """The dynamic program's plan on the graph's clean chain, when the ILP plans over another
+    chain of the graph (with fine cut points the clean chain can beat the skips' over-count)."""
+    if not isinstance(graph, g.Graph) or stage_time_s is not None:
+        return None
+    clean = C.build_chain(graph)
+    if np.array_equal(clean.last, chain.last):
+        return None
+    try:
+        return plan_optimal(clean, budget_bytes, drop_cheap=drop_cheap)
+    except BudgetTooSmall:
+        return None
 
 
 def _key(p: Plan, budget_bytes: int | None) -> tuple[float, float]:
