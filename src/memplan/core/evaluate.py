@@ -7,7 +7,8 @@ The runtime (``memplan.runtime.replay``), as modelled here:
 
 * Stages outside recompute scopes run plainly. Every value dies when its last holder lets it
   go: the user's code (``Value.death_unsaved``), autograd's saves (released after the saving
-  op's backward node ran, ``Op.release_event``), a tape.
+  op's backward node ran, ``Op.release_event``), a tape. A tensor from outside the step
+  counts from the first op that reads it (memplan's tracker sees it then).
 * Inside a scope (a region, or a drop-cheap stage; nested regions share their top scope's
   tape) autograd gets a handle instead of a value made in the same top scope; a value made
   elsewhere is saved as it is. A tape keeps every outside tensor its ops read (a written one
@@ -225,8 +226,13 @@ class _Run:
         def at(event: int | None) -> int:
             return NEVER if event is None else m[event]
 
+        first_read = self._first_reads()
         for v in self.g.values:
             birth = m[v.birth] if v.birth >= 0 else 0
+            if v.kind == g.EXTERNAL and v.birth < 0:
+                if v.id not in first_read:
+                    continue  # a scalar autograd wrapped: no op reads it, nothing tracks it
+                birth = m[first_read[v.id]]  # a tensor from outside the step: seen from then
             if v.kind != g.ACTIVATION or v.producer < 0:
                 intervals.append((birth, at(v.death), v.nbytes))
                 continue
@@ -247,6 +253,14 @@ class _Run:
             if sc.index in trigger and alive[sc.index]:
                 intervals += self._replay(sc, timeline)
         return timeline.sweep(intervals, self.g)
+
+    def _first_reads(self) -> dict[int, int]:
+        """The first event reading each value."""
+        out: dict[int, int] = {}
+        for e, op in enumerate(self.g.ops + self.g.backward_ops):
+            for vid in op.inputs:
+                out.setdefault(vid, e)
+        return out
 
     # --- replays ------------------------------------------------------------------------------
 

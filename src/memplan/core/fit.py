@@ -121,10 +121,10 @@ def _accepting(runs: list[Planner], budget: int) -> list[Plan]:
 
 
 def _shared_params(planner: str, params: dict[str, Any]) -> dict[str, Any]:
-    """The parameters another planner takes from the user's (none but drop_cheap)."""
-    if planner in ("optimal", "ilp") and "drop_cheap" in params:
-        return {"drop_cheap": params["drop_cheap"]}
-    return {}
+    """The parameters another planner takes from the user's: drop_cheap, and ilp's time
+    limit."""
+    keys = {"optimal": ("drop_cheap",), "ilp": ("drop_cheap", "time_limit_s")}.get(planner, ())
+    return {k: params[k] for k in keys if k in params}
 
 
 def _cost(p: Plan) -> float:
