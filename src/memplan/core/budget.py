@@ -26,8 +26,8 @@ def budget_too_small(budget_bytes: int, least_peak_bytes: int, planner: str,
     if least_peaks:
         best = min(least_peaks, key=lambda k: (least_peaks[k], k != planner, k))
         text += "Least peaks: " + ", ".join(
-            f"{k} {format_bytes(v)}" for k, v in sorted(least_peaks.items(),
-                                                      key=lambda kv: (kv[1], kv[0]))) + ". "
+            f"{k} {format_bytes(v)} ({v:,} B)" for k, v in sorted(
+                least_peaks.items(), key=lambda kv: (kv[1], kv[0]))) + ". "
         low = least_peaks[best]
         if best != planner and low < least_peak_bytes:
             fit = "fits this budget" if low <= budget_bytes else f"needs at least {low:,} B"

@@ -197,9 +197,10 @@ def shared_values(
 def skip_values(
     values: tuple[g.Value, ...], ops: tuple[g.Op, ...], calls: tuple[g.ModuleCall, ...]
 ) -> frozenset[int]:
-    """Activations that pass over a whole module call between where they are made and where
-    they are last read: a U-Net's encoder outputs (read by the decoder, past the blocks in
-    between). A layer's input (made by the layer before, read by this one) passes over none.
+    """Activations that pass over two or more whole module calls between where they are
+    made and where they are last read: a U-Net's encoder outputs (read by the decoder, past
+    the blocks in between). A layer's input (made by the layer before, read by this one)
+    passes over none; a residual stream added around a block (``x = x + block(x)``) over one.
 
     Found in the call tree: the innermost call around both the producer and the last reader,
     and its direct child calls lying wholly between them."""
@@ -227,7 +228,7 @@ def skip_values(
             k += 1
         kids = children.get(a[k - 1] if k else -1, [])
         first = bisect.bisect_right(kids, (p, len(ops)))  # children starting after p
-        if first < len(kids) and kids[first][1] <= u:  # ...and ending before u
+        if first + 1 < len(kids) and kids[first + 1][1] <= u:  # two of them end before u
             out.append(v.id)
     return frozenset(out)
 
