@@ -15,7 +15,8 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --disable-pip-version-check $(TORCH)
-	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[dev]'
+	$(BIN)/python -m pip install -q --disable-pip-version-check $(TORCH) -e '.[dev]'
+	$(BIN)/python -c 'from memplan.core.planners.optimal import warm_up; warm_up()'  # numba cache
 	touch $(STAMP)
 
 demo: install

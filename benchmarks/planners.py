@@ -1,10 +1,13 @@
-"""Planner benchmark: ResNet-1000 budget table (optimal, ilp, the paper's planners), LSTM
-T=1024, planning times (ResNet-1000, LSTM T=2048), and objective='time' on a real model.
+"""Planner benchmark (issue 14): the optimal and ilp planners on ResNet-1000 and the LSTM at
+T=1024 over a budget table, and planning times (ResNet-1000, LSTM T=2048).
 
-    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/planners.py [--ilp-time-limit 10]
+    PYTHONPATH=src OMP_NUM_THREADS=1 .venv/bin/python benchmarks/planners.py \\
+        [--graphs out] [--json out/planners.json] [--before out/planners-before.json]
 
-Captured graphs are cached as JSON under out/ (capture of LSTM T=2048 takes ~3 min); a cache
-of an older graph schema is captured again.
+Graphs are captured once and cached as JSON under --graphs (LSTM T=1024 takes ~2.5 min to
+capture, T=2048 longer). ``--json`` writes the measured rows; ``--before`` reads such a file
+(written by an older memplan) and prints it beside this run. The reference column is the
+issue's exact figures (an independent step-level DP on independently built models).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import json
 import os
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import memplan
@@ -25,166 +29,186 @@ from memplan.core.planners import PLANNERS
 from memplan.errors import BudgetTooSmall
 
 OUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "out")
-HEAD = ("\n| plan | predicted peak | extra FLOPs (% of step) | extra fwd passes | plan time | "
-        "notes |\n|---|---|---|---|---|---|")
+GB = 1e9
+# (graph file, model, params, budgets in GB, reference extra % of step FLOPs from issue 14).
+CASES: dict[str, tuple[str, str, dict[str, int], dict[float, float | None]]] = {
+    "ResNet-1000": ("graph-resnet1000.json", "resnet", {"depth": 1000, "batch": 32},
+                    {3.8: 33.54, 4.5: 29.94, 6.0: None, 7.0: 25.27, 10.0: None, 20.0: 4.83}),
+    "LSTM T=1024": ("graph-lstm1024.json", "lstm", {"steps": 1024},
+                    {0.5: 42.96, 0.6: 32.69, 0.7: 32.20, 1.0: 30.96, 3.0: 23.32}),
+}
+TIMED = {"ResNet-1000": ("graph-resnet1000.json", "resnet", {"depth": 1000, "batch": 32}, 4.5),
+         "LSTM T=2048": ("graph-lstm2048.json", "lstm", {"steps": 2048}, None)}
 
 
-def graph(name: str, file: str, **params: Any) -> Graph:
-    path = os.path.join(OUT, file)
+def graph(graphs: str, file: str, name: str, params: dict[str, int]) -> Graph:
+    path = os.path.join(graphs, file)
     if os.path.exists(path):
         with open(path) as fh:
             data = json.load(fh)
-        if data.get("schema_version") == SCHEMA_VERSION:
+        if data.get("schema_version") == SCHEMA_VERSION:  # an older capture: capture again
             return Graph.from_dict(data)
     t = time.perf_counter()
     g = memplan.capture(memplan.models.get(name, **params))
-    print(f"(captured {file} in {time.perf_counter() - t:.0f} s)")
-    os.makedirs(OUT, exist_ok=True)
+    print(f"(captured {file} in {time.perf_counter() - t:.0f} s)", flush=True)
+    os.makedirs(graphs, exist_ok=True)
     with open(path, "w") as fh:
         fh.write(g.to_json())
     return g
 
 
-def row(label: str, plan: Plan, fwd: int, dt: float | None = None, note: str = "") -> str:
-    t = f"{dt:6.2f} s" if dt is not None else ""
-    return (f"| {label:32s} | {plan.peak_bytes / 1e9:7.3f} GB | {plan.extra_fraction:6.1%} | "
-            f"{plan.extra_flops / fwd:5.2f} | {t} | {note} |")
-
-
-def run(label: str, fn: Any, chain: Any, budget: int | None, fwd: int, plain: int = 0,
-        **kw: Any) -> Plan | None:
-    t = time.perf_counter()
+def timed(fn: Callable[[], Plan]) -> tuple[Plan | None, float, float, str]:
+    """(plan or None when the budget is too small, wall s, process s, note)."""
+    w, p = time.perf_counter(), time.process_time()
     try:
-        p: Plan = fn(chain, budget, **kw)
+        plan: Plan | None = fn()
+        note = ""
     except BudgetTooSmall as err:
-        print(f"| {label:32s} | does not fit: least {err.least_peak_bytes / 1e9:.3f} GB | | | "
-              f"{time.perf_counter() - t:6.2f} s | |")
-        return None
-    notes = "; ".join(n for n in p.notes if n.startswith(("MILP", "slot", "time")))
-    if plain:
-        notes = f"{plain / p.peak_bytes:.1f}x below plain" + (f"; {notes}" if notes else "")
-    print(row(label, p, fwd, time.perf_counter() - t, notes))
-    return p
+        plan, note = None, f"does not fit: least {err.least_peak_bytes / GB:.3f} GB"
+    return plan, time.perf_counter() - w, time.process_time() - p, note
 
 
-def resnet(ilp_s: float) -> None:
-    g = graph("resnet", "graph-resnet1000.json", depth=1000, batch=32)
-    chain = C.build_chain(g)
-    fwd = g.fwd_flops
-    plain = S.simulate(chain, S.plain_schedule(chain))[0]
-    print(f"\n## ResNet-1000 (batch 32, 224x224, fp32): {chain.n} stages, plain peak "
-          f"{plain / 1e9:.2f} GB (trace {g.peak_bytes / 1e9:.2f} GB)")
-    print(HEAD)
-    for label, name, kw in [
-        ("sqrt (19 segments, by bytes)", "sqrt", {}), ("sqrt, 18 segments", "sqrt",
-                                                       {"segments": 18}),
-        ("chen (Alg. 3 + grid)", "chen", {}), ("recursive k=1", "recursive", {"k": 1}),
-        ("drop-cheap (all stages)", "drop-cheap", {}),
-    ]:
-        run(label, PLANNERS[name], chain, None, fwd, **kw)
-    for gb in (4.0, 4.5, 5.0, 6.0, 7.0, 10.0):
-        b = int(gb * 1e9)
-        run(f"optimal @ {gb} GB", PLANNERS["optimal"], chain, b, fwd)
-        run(f"optimal, no drop-cheap @ {gb} GB", PLANNERS["optimal"], chain, b, fwd,
-            drop_cheap=False)
-        if gb == 4.5:  # one point shows what merging stages into 100 groups costs
-            run(f"optimal, 341 stages @ {gb} GB", PLANNERS["optimal"], chain, b, fwd,
-                max_stages=400, slots=200)
-        run(f"ilp @ {gb} GB", PLANNERS["ilp"], g, b, fwd, time_limit_s=ilp_s)
-        if gb == 7.0:  # the MILP over all 341 stages: exact, but HiGHS finds less in the time
-            run(f"ilp, 341 stages @ {gb} GB", PLANNERS["ilp"], g, b, fwd, time_limit_s=ilp_s,
-                max_stages=400)
-    run("optimal, least peak", PLANNERS["optimal"], chain, None, fwd)
-    run("optimal no drop-cheap, least", PLANNERS["optimal"], chain, None, fwd, drop_cheap=False)
-    run("ilp, least peak", PLANNERS["ilp"], g, None, fwd, time_limit_s=ilp_s)
+def budget_table(graphs: str, planners: list[str], ilp_s: float) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    for label, (file, name, params, budgets) in CASES.items():
+        g = graph(graphs, file, name, params)
+        chain = C.build_chain(g)
+        plain = S.simulate(chain, S.plain_schedule(chain))[0]
+        print(f"\n## {label}: {chain.n} stages, plain peak {plain / GB:.3f} GB, base "
+              f"{chain.base_bytes / GB:.3f} GB", flush=True)
+        for gb, ref in budgets.items():
+            for planner in planners:
+                kw: dict[str, Any] = {"time_limit_s": ilp_s} if planner == "ilp" else {}
+                src = g if planner == "ilp" else chain
+                plan, wall, cpu, note = timed(
+                    lambda: PLANNERS[planner](src, int(gb * GB), **kw))  # noqa: B023
+                row = {"model": label, "budget_gb": gb, "planner": planner, "ref": ref,
+                       "peak": None if plan is None else plan.peak_bytes,
+                       "extra": None if plan is None else 100 * plan.extra_fraction,
+                       "wall_s": wall, "cpu_s": cpu,
+                       "notes": note if plan is None else "; ".join(plan.notes)}
+                rows.append(row)
+                print(fmt_row(row), flush=True)
+    return rows
 
 
-def lstm(steps: int, ilp_s: float) -> None:
-    g = graph("lstm", f"graph-lstm{steps}.json", steps=steps)
-    chain = C.build_chain(g)
-    plain = S.simulate(chain, S.plain_schedule(chain))[0]
-    fwd = g.fwd_flops
-    print(f"\n## LSTM T={steps} (batch 64, hidden 1024, 4 layers): {chain.n} stages, plain peak "
-          f"{plain / 1e9:.3f} GB (trace {g.peak_bytes / 1e9:.3f} GB)")
-    print(HEAD)
-    for name in ("sqrt", "chen"):
-        run(name, PLANNERS[name], chain, None, fwd, plain)
-    for frac in (1 / 8, 1 / 16, 1 / 32):
-        run(f"optimal @ plain/{1 / frac:.0f}", PLANNERS["optimal"], chain, int(plain * frac),
-            fwd, plain)
-    run("ilp @ plain/8", PLANNERS["ilp"], g, int(plain / 8), fwd, plain, time_limit_s=ilp_s)
+def fmt_row(r: dict[str, Any], before: dict[str, Any] | None = None, side: bool = False) -> str:
+    def cell(x: dict[str, Any] | None) -> list[str]:
+        if x is None:
+            return ["", "", ""]
+        if x["peak"] is None:
+            return [x["notes"], "", f"{x['wall_s']:.2f} s"]
+        return [f"{x['peak'] / GB:.3f} GB", f"{x['extra']:.2f}%", f"{x['wall_s']:.2f} s"]
+
+    ref = "" if r["ref"] is None else f"{r['ref']:.2f}%"
+    old = cell(before) if side else []
+    cells = [r["model"], f"{r['budget_gb']:g} GB", r["planner"], ref, *old, *cell(r)]
+    return "| " + " | ".join(cells) + " |"
 
 
-def planning_times(repeat: int = 5) -> None:
-    """From a captured Graph (capture excluded): build the chain, plan with optimal."""
-    print(f"\n## Planning time, optimal planner from a captured Graph (min / median of {repeat})")
-    print("\n| graph | fingerprint | build_chain (incl. fingerprint) | plan | total |")
-    print("|---|---|---|---|---|")
-    cases = [("ResNet-1000 @ 4.5 GB", "graph-resnet1000.json", "resnet", {"depth": 1000,
-                                                                       "batch": 32}, 4.5e9),
-             ("LSTM T=2048 @ plain/16", "graph-lstm2048.json", "lstm", {"steps": 2048}, None)]
-    for label, file, name, params, budget in cases:
-        g = graph(name, file, **params)
-        fp, build, plan, total = [], [], [], []
-        for _ in range(repeat):
-            C._ARRAYS.clear()  # nothing cached: every run starts from the bare Graph
-            t0 = time.perf_counter()
-            _ = g.fingerprint  # Graph does not cache it: timed on its own too
-            fp.append(time.perf_counter() - t0)
-            C._ARRAYS.clear()
-            t0 = time.perf_counter()
-            chain = C.build_chain(g)
-            t1 = time.perf_counter()
-            b = int(budget) if budget else S.simulate(chain, S.plain_schedule(chain))[0] // 16
-            t2 = time.perf_counter()
-            PLANNERS["optimal"](chain, b)
-            t3 = time.perf_counter()
-            build.append(t1 - t0)
-            plan.append(t3 - t2)
-            total.append((t1 - t0) + (t3 - t2))
-        print(f"| {label} | {cell(fp)} | {cell(build)} | {cell(plan)} | {cell(total)} |")
+def planning_times(graphs: str, repeat: int) -> list[dict[str, Any]]:
+    """From a captured Graph (capture and JSON loading excluded): build_chain (no cache), then
+    optimal at a mid budget and without one (the least peak); min and median of ``repeat``."""
+    rows: list[dict[str, Any]] = []
+    for label, (file, name, params, budget_gb) in TIMED.items():
+        g = graph(graphs, file, name, params)
+        chain = C.build_chain(g)
+        plain = S.simulate(chain, S.plain_schedule(chain))[0]
+        mid = int(budget_gb * GB) if budget_gb else plain // 16
+        for what, budget in ((f"@ {mid / GB:.3f} GB", mid), ("least peak", None)):
+            build, wall, cpu = [], [], []
+            for _ in range(repeat):
+                C._ARRAYS.clear()  # nothing cached: every run starts from the bare Graph
+                t0 = time.perf_counter()
+                chain = C.build_chain(g)
+                build.append(time.perf_counter() - t0)
+                plan, w, p, _ = timed(lambda: PLANNERS["optimal"](chain, budget))  # noqa: B023
+                wall.append(w)
+                cpu.append(p)
+            assert plan is not None
+            row = {"model": label, "case": what, "stages": chain.n, "build": build,
+                   "wall": wall, "cpu": cpu, "peak": plan.peak_bytes,
+                   "extra": 100 * plan.extra_fraction}
+            rows.append(row)
+            print(fmt_time(row), flush=True)
+    return rows
 
 
-def cell(v: list[float]) -> str:
-    return f"{min(v):.3f} / {statistics.median(v):.3f} s"
+def fmt_time(r: dict[str, Any], before: dict[str, Any] | None = None) -> str:
+    def mm(v: list[float]) -> str:
+        return f"{min(v):.3f} / {statistics.median(v):.3f} s"
+
+    old = [mm(before["wall"]), mm(before["cpu"])] if before else []
+    return (f"| {r['model']} ({r['stages']} stages) | {r['case']} | {mm(r['build'])} | "
+            + " | ".join(old + [mm(r["wall"]), mm(r["cpu"])])
+            + f" | {r['peak'] / GB:.3f} GB, {r['extra']:.2f}% |")
 
 
 def time_objective(depth: int, batch: int, device: str) -> None:
     """objective='time' on a model that runs here: measured stage times vs FLOPs."""
+    from memplan.tracing.timing import stage_times
+
     w = memplan.models.get("resnet", depth=depth, batch=batch)
     g = memplan.capture(w)
     chain = C.build_chain(g)
-    t = time.perf_counter()
-    from memplan.tracing.timing import stage_times
-
     times = stage_times(w, graph=g, device=device)
-    dt = time.perf_counter() - t
     plain = S.simulate(chain, S.plain_schedule(chain))[0]
     budget = (PLANNERS["optimal"](chain, None).peak_bytes + plain) // 2
-    print(f"\n## objective='time': ResNet-{depth}, batch {batch}, 224x224 on {device} "
-          f"({chain.n} stages, forward {sum(times):.3f} s measured in {dt:.1f} s, median of 3)")
-    print(f"budget {budget / 1e9:.3f} GB (halfway between the least peak and plain "
-          f"{plain / 1e9:.3f} GB)")
-    print("\n| objective | predicted peak | extra FLOPs | predicted step time |")
-    print("|---|---|---|---|")
+    print(f"\n## objective='time': ResNet-{depth}, batch {batch}, 224x224 on {device}: budget "
+          f"{budget / GB:.3f} GB (halfway between the least peak and plain {plain / GB:.3f} GB)")
+    print("\n| objective | predicted peak | extra FLOPs | predicted step time |\n|---|---|---|---|")
     for objective, kw in (("flops", {}), ("time", {"stage_time_s": times})):
         p = PLANNERS["optimal"](chain, budget, **kw)
-        timed = make_plan(chain, p.schedule, "optimal", {}, budget, (), times)
-        print(f"| {objective} | {p.peak_bytes / 1e9:.3f} GB | {p.extra_fraction:.1%} | "
-              f"{timed.predicted_time_s:.3f} s |")
+        timed_plan = make_plan(chain, p.schedule, "optimal", {}, budget, (), times)
+        print(f"| {objective} | {p.peak_bytes / GB:.3f} GB | {p.extra_fraction:.1%} | "
+              f"{timed_plan.predicted_time_s:.3f} s |")
+
+
+def report(rows: list[dict[str, Any]], times: list[dict[str, Any]],
+           before: dict[str, Any] | None) -> None:
+    old = {(r["model"], r["budget_gb"], r["planner"]): r for r in (before or {}).get("rows", [])}
+    old_t = {(r["model"], r["case"]): r for r in (before or {}).get("times", [])}
+    side = "before: peak | extra | plan time | " if before else ""
+    print(f"\n| model | budget | planner | reference | {side}peak | extra | plan time |")
+    print("|---" * (7 + (3 if before else 0)) + "|")
+    for r in rows:
+        print(fmt_row(r, old.get((r["model"], r["budget_gb"], r["planner"])), before is not None))
+    wall = "before: wall | before: CPU | " if before else ""
+    print(f"\n| graph | case | build_chain | {wall}plan wall | plan CPU | plan |")
+    print("|---" * (6 + (2 if before else 0)) + "|")
+    for r in times:
+        print(fmt_time(r, old_t.get((r["model"], r["case"]))))
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--graphs", default=OUT, help="folder of cached captured graphs")
+    ap.add_argument("--planners", default="optimal,ilp")
     ap.add_argument("--ilp-time-limit", type=float, default=10.0)
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--sections", default="table,times", help="table, times, time-objective")
+    ap.add_argument("--json", help="write the measured rows here")
+    ap.add_argument("--before", help="a --json file of an earlier run, printed beside this one")
     ap.add_argument("--time-model-depth", type=int, default=50)
     ap.add_argument("--time-model-batch", type=int, default=8)
     ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
-    resnet(args.ilp_time_limit)
-    lstm(1024, args.ilp_time_limit)
-    planning_times()
-    time_objective(args.time_model_depth, args.time_model_batch, args.device)
+    sections = args.sections.split(",")
+    print(f"load: {os.getloadavg()}", flush=True)
+    rows = budget_table(args.graphs, args.planners.split(","), args.ilp_time_limit) \
+        if "table" in sections else []
+    times = planning_times(args.graphs, args.repeat) if "times" in sections else []
+    if "time-objective" in sections:
+        time_objective(args.time_model_depth, args.time_model_batch, args.device)
+    before = None
+    if args.before:
+        with open(args.before) as fh:
+            before = json.load(fh)
+    report(rows, times, before)
+    print(f"load: {os.getloadavg()}", flush=True)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"rows": rows, "times": times, "load": os.getloadavg()}, fh, indent=1)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ a U-Net (long skips: most cut points are not clean) it beats the chain DP on the
 
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
@@ -124,3 +125,25 @@ def test_ilp_bad_arguments() -> None:
     with pytest.raises(errors.ConfigError, match="stage_time_s"):
         PLANNERS["ilp"](g, None, stage_time_s=[1.0])
     assert np.array_equal(ilp_chain(g, "clean").last, C.build_chain(g).last)
+
+
+@pytest.mark.parametrize("node_limit", [1, 5000])
+def test_ilp_is_deterministic(node_limit: int) -> None:
+    """Same input, same plan, whatever the load: HiGHS stops at a node limit (work, not
+    time); the wall-clock safety net does not change the result, and notes carry no
+    timing-dependent figures."""
+    g = unet_graph()
+    budget = int(g.peak_bytes * 0.8)
+    plans = [PLANNERS["ilp"](g, budget, node_limit=node_limit, time_limit_s=t).to_json()
+             for t in (600.0, 600.0, 3600.0)]
+    assert plans[0] == plans[1] == plans[2]
+    assert "time" not in " ".join(json.loads(plans[0])["notes"]).replace("time_limit_s", "")
+
+
+def test_ilp_on_a_long_chain_returns_the_exact_dp_and_says_why() -> None:
+    g = unet_graph()
+    chain = ilp_chain(g)  # 9 stages, over max_stages=4
+    plan = PLANNERS["ilp"](chain, int(g.peak_bytes * 0.8), max_stages=4)
+    dp = PLANNERS["optimal"](chain, int(g.peak_bytes * 0.8))
+    assert plan.schedule == dp.schedule and plan.planner == "ilp"
+    assert any("cannot beat the 'optimal' dynamic program" in n for n in plan.notes)

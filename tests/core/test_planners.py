@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from memplan.core import chain as C
 from memplan.core import schedule as S
 from memplan.core.plan import Plan
-from memplan.core.planners import PLANNERS, pareto
+from memplan.core.planners import PLANNERS, bounds, pareto
 from memplan.core.planners import optimal as O
 from memplan.errors import BudgetTooSmall
 from tests.core.graphs import TINY, tiny
@@ -35,8 +35,8 @@ def schedules(s: int, t: int, top: bool) -> Iterator[tuple[S.Item, ...]]:
 
 
 @st.composite
-def chains(draw: st.DrawFn) -> C.Chain:
-    k = draw(st.integers(1, 5))
+def chains(draw: st.DrawFn, size: int | None = None) -> C.Chain:
+    k = size or draw(st.integers(1, 5))
     ints = lambda lo, hi: np.array(draw(st.lists(st.integers(lo, hi), min_size=k, max_size=k)),
                                    dtype=np.int64)
     x = ints(1, 9)
@@ -53,16 +53,132 @@ def chains(draw: st.DrawFn) -> C.Chain:
                    tfs=np.minimum(tf, ints(0, 15)) if replay else None)
 
 
+@st.composite
+def repeating_chains(draw: st.DrawFn, max_k: int = 6) -> C.Chain:
+    """Chains of stages drawn from two or three kinds (residual units, LSTM steps): the
+    optimal planner solves equal sub-chains once, gradient bytes relative to their end.
+    gb grows by a per-kind step towards the input, as parameter gradients accumulate."""
+    kinds = [draw(chains(size=1)) for _ in range(draw(st.integers(1, 3)))]
+    seq = draw(st.lists(st.integers(0, len(kinds) - 1), min_size=1, max_size=max_k))
+    steps = draw(st.lists(st.integers(-5, 25), min_size=1, max_size=2))  # not tied to kinds
+    step = draw(st.lists(st.sampled_from(steps), min_size=len(seq), max_size=len(seq)))
+    pick = {n: np.array([getattr(kinds[i], n)[0] for i in seq], dtype=np.int64) for n in (
+        "f", "b", "x", "xbar", "d", "xsac", "xsac_b", "fcheap", "tf", "tf0", "tb")}
+    gb = np.cumsum(step[::-1])[::-1] + draw(st.integers(-5, 10))
+    with_replay = all(kind.tfr is not None for kind in kinds)
+    replay = {n: np.array([getattr(kinds[i], n)[0] for i in seq], dtype=np.int64)
+              if with_replay else None for n in ("tfr", "tfr0", "tfs")}
+    k = len(seq)
+    return C.Chain("fp", np.arange(k), np.arange(k), ("m",) * k, gb=gb.astype(np.int64),
+                   base_bytes=3, step_flops=100, **pick, **replay)
+
+
+def brute_force(c: C.Chain, budget: int) -> float:
+    feasible = [flops for peak, flops in (S.simulate(c, s) for s in schedules(0, c.n - 1, True))
+                if peak <= budget]
+    return min(feasible) if feasible else np.inf
+
+
 @settings(max_examples=150, deadline=None)
-@given(chains(), st.integers(0, 90))
+@given(st.one_of(chains(), repeating_chains()), st.integers(0, 90))
 def test_optimal_equals_brute_force(c: C.Chain, budget: int) -> None:
-    results = [S.simulate(c, s) for s in schedules(0, c.n - 1, True)]
-    feasible = [flops for peak, flops in results if peak <= budget]
-    cost, sch = O.solve(c, budget - c.base_bytes, slot_bytes=1)
-    assert cost == (min(feasible) if feasible else np.inf)
+    cost, sch = O.solve(c, budget - c.base_bytes)  # exact bytes (the default)
+    assert cost == brute_force(c, budget)
     if sch is not None:
         peak, flops = S.simulate(c, sch)
         assert peak <= budget and flops == cost
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.one_of(chains(), repeating_chains()), st.integers(0, 90), st.sampled_from([8, 32]))
+def test_slot_mode_never_exceeds_the_budget(c: C.Chain, budget: int, slots: int) -> None:
+    cost, sch = O.solve(c, budget - c.base_bytes, slots=slots)
+    assert cost >= brute_force(c, budget)  # rounded against the plan: never better
+    if sch is not None:
+        peak, flops = S.simulate(c, sch)
+        assert peak <= budget and flops == cost
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.one_of(chains(), repeating_chains()))
+def test_least_need_equals_brute_force(c: C.Chain) -> None:
+    least = min(S.simulate(c, s)[0] for s in schedules(0, c.n - 1, True))
+    shape = O._Shape.of(O.stage_table(c), True)
+    assert O.least_need(shape) == least - c.base_bytes
+    assert O.solve(c, least - c.base_bytes - 1) == (np.inf, None)
+
+
+def mirrors(c: C.Chain, items: tuple[S.Item, ...], depth: int = 0) -> np.ndarray:
+    """Per stage: extra forward cost in a schedule (mirror count x FLOPs, drop-cheap's part)."""
+    extra = np.zeros(c.n)
+    for it in items:
+        if isinstance(it, S.Region):
+            extra[it.start : it.end + 1] += c.f[it.start : it.end + 1]
+            extra += mirrors(c, it.body, depth + 1)
+        elif isinstance(it, S.DropCheap):
+            extra[it.stage] += c.fcheap[it.stage]
+    return extra
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.one_of(chains(), repeating_chains()), st.integers(0, 90), st.booleans())
+def test_recompute_bounds_are_lower_bounds(c: C.Chain, budget: int, dc: bool) -> None:
+    """Every schedule that fits pays at least the bound, and so does each of its prefixes."""
+    lb_total, lb_prefix = bounds.recompute_bounds(O.stage_table(c), budget - c.base_bytes, dc)
+    for sch in schedules(0, c.n - 1, True):
+        if (not dc and any(isinstance(it, S.DropCheap) for it in sch)) or (
+                S.simulate(c, sch)[0] > budget):
+            continue
+        extra = np.cumsum(mirrors(c, sch))
+        assert extra[-1] >= lb_total - 1e-6
+        assert (np.concatenate(([0.0], extra[:-1])) >= lb_prefix - 1e-6).all()
+
+
+def full_program(c: C.Chain, free: int, share: bool) -> float:
+    """The optimum without the cost caps of the search (and, share=False, with every
+    sub-chain solved on its own)."""
+    if free < 0:
+        return np.inf
+    shape = O._Shape.of(O.stage_table(c), True, share=share)
+    hit = shape.fill(free, None).point(0, c.n - 1, 0, free)
+    return np.inf if hit is None else hit[0]
+
+
+@settings(max_examples=60, deadline=None)
+@given(repeating_chains(max_k=14), st.integers(0, 120))
+def test_pruning_and_sharing_keep_the_optimum(c: C.Chain, budget: int) -> None:
+    """On chains longer than brute force reaches: the search with cost caps from the lower
+    bounds (planners.bounds) equals the program without them, which equals the one that
+    solves every sub-chain on its own (planners.repeats)."""
+    free = budget - c.base_bytes
+    cost, _ = O.solve(c, free)
+    assert cost == full_program(c, free, share=True) == full_program(c, free, share=False)
+
+
+def uniform_chain(k: int) -> C.Chain:
+    """An LSTM-like chain: equal steps, then a loss stage; gradient bytes of shared weights."""
+    def rep(v: int, last: int) -> np.ndarray:
+        return np.array([v] * (k - 1) + [last], dtype=np.int64)
+
+    return C.Chain("fp", np.arange(k), np.arange(k), ("m",) * k, f=rep(40, 1), b=rep(80, 1),
+                   x=rep(2, 1), xbar=rep(10, 1), d=rep(1, 0), xsac=rep(7, 1), xsac_b=rep(15, 1),
+                   fcheap=rep(3, 0), tf=rep(11, 1), tf0=rep(4, 1), tb=rep(6, 1), gb=rep(20, 0),
+                   base_bytes=50, step_flops=130 * k)
+
+
+@pytest.mark.parametrize("extra", [0, 1, 2, 5, 20, 60, 200])
+def test_long_uniform_chain_nests_and_stays_exact(extra: int) -> None:
+    """60 equal stages: near the least peak the optimum nests regions; the search (caps,
+    sharing) equals the full program at every budget."""
+    c = uniform_chain(60)
+    least = O.least_need(O._Shape.of(O.stage_table(c), True))
+    free = least + extra
+    cost, sch = O.solve(c, free)
+    assert sch is not None and cost == full_program(c, free, share=False)
+    peak, flops = S.simulate(c, sch)
+    assert peak <= c.base_bytes + free and flops == cost
+    if extra <= 5:
+        assert O.nesting(sch) >= 2
 
 
 @pytest.mark.parametrize("name", sorted(TINY))
@@ -104,7 +220,7 @@ def test_optimal_beats_or_ties_others_and_raises_below_least() -> None:
     least = PLANNERS["optimal"](chain, None)
     for name in ("sqrt", "chen", "recursive"):
         other = PLANNERS[name](chain, None)
-        fitted = PLANNERS["optimal"](chain, other.peak_bytes, slots=512)
+        fitted = PLANNERS["optimal"](chain, other.peak_bytes)
         assert fitted.extra_flops <= other.extra_flops
     with pytest.raises(BudgetTooSmall) as err:
         PLANNERS["optimal"](chain, least.peak_bytes // 2)
@@ -117,3 +233,15 @@ def test_pareto_is_a_frontier() -> None:
     assert len(front) >= 2
     for a, b in itertools.pairwise(front):
         assert a.peak_bytes <= b.peak_bytes and a.extra_flops > b.extra_flops
+
+
+def test_measured_times_of_one_kind_are_averaged() -> None:
+    """Timing noise must not make equal stages unique (the program solves equal sub-chains
+    once): stages of one kind plan with their kind's mean time."""
+    c = uniform_chain(12)  # stage 0 differs (nothing before it to free), so does the loss
+    noisy = [1.0 + 0.01 * (s % 3) for s in range(11)] + [0.001]
+    mean = noisy[:1] + [float(np.mean(noisy[1:11]))] * 10 + noisy[11:]
+    assert O.kind_means(c, 1e9 * np.array(noisy)).tolist() == [round(1e9 * m) for m in mean]
+    budget = c.base_bytes + O.least_need(O._Shape.of(O.stage_table(c), True)) + 30
+    assert (PLANNERS["optimal"](c, budget, stage_time_s=noisy).schedule
+            == PLANNERS["optimal"](c, budget, stage_time_s=mean).schedule)

@@ -25,6 +25,7 @@ from memplan.errors import BudgetTooSmall
 RETRIES = 4  # plans made again under a tightened budget before the least-peak plan is tried
 GRAPH_PLANNERS = ("ilp",)  # given the Graph: they choose their own cut points
 COMPARED = ("optimal", "ilp", "recursive", "drop-cheap", "sqrt")  # named in a refusal
+ALL_CUTS = 400  # the dynamic program also plans through every cut point up to this many
 
 Planner = Callable[[int | None], Plan]  # budget -> plan, or BudgetTooSmall
 
@@ -78,8 +79,7 @@ def candidates(graph: g.Graph, chain: C.Chain, planner: str, params: dict[str, A
         return [lambda budget: fn(graph, budget, **params)]
     chains = [chain]
     n_cuts = len(graph.cut_points)
-    if (planner == "optimal" and "stage_time_s" not in params
-            and chain.n < n_cuts <= int(params.get("max_stages", 100))):
+    if (planner == "optimal" and "stage_time_s" not in params and chain.n < n_cuts <= int(params.get("max_stages") or ALL_CUTS)):
         chains.append(C.build_chain(graph, list(range(n_cuts))))
     return [_on(fn, c, params) for c in chains]
 

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -48,10 +47,12 @@ from memplan.core import schedule as S
 from memplan.core.budget import budget_too_small
 from memplan.core.plan import Plan, make_plan
 from memplan.core.planners.common import ChainLike, int_param
-from memplan.core.planners.optimal import coarsen, expand, plan_optimal
+from memplan.core.planners.optimal import plan_optimal
 from memplan.errors import BudgetTooSmall, bad_arg
 
 CUTS = ("auto", "all", "clean")
+NODE_LIMIT = 5000  # branch-and-bound nodes: a work limit, the same on every machine
+SAFETY_S = 600.0  # a wall-clock net only; a search it stops is not used
 Terms = list[tuple[int, float]]
 
 
@@ -123,6 +124,7 @@ class MilpResult:
     gap: float | None
     message: str
     retries: int = 0  # solves again after a plan over budget by solver tolerance
+    timed_out: bool = False  # stopped by the safety time limit: machine-dependent, not used
 
 
 def _unit(c: C.Chain) -> int:
@@ -263,18 +265,20 @@ def _schedule(v: dict[str, list[list[int]]], sol: np.ndarray, k_n: int, depth: i
 
 
 def solve_milp(c: C.Chain, budget_bytes: int | None, max_depth: int = 2,
-               time_limit_s: float = 10.0, drop_cheap: bool = True,
-               cost: np.ndarray | None = None) -> MilpResult:
+               node_limit: int = NODE_LIMIT, drop_cheap: bool = True,
+               cost: np.ndarray | None = None, time_limit_s: float = SAFETY_S) -> MilpResult:
     """The cheapest schedule (regions nested at most ``max_depth`` deep) whose simulated peak
-    fits ``budget_bytes``; with None, the least peak. Every returned schedule is checked with
-    ``simulate``; one over budget by solver tolerance is solved again with a tighter budget."""
+    fits ``budget_bytes``; with None, the least peak. HiGHS stops at ``node_limit``
+    branch-and-bound nodes: a work limit, so the result is the same on any machine under any
+    load. ``time_limit_s`` is only a safety net; a search it stops is reported and not used.
+    Every returned schedule is checked with ``simulate``; one over budget by solver tolerance
+    is solved again with a tighter budget."""
     # scipy (HiGHS) loads only when a MILP is solved: importing the planners stays fast
     from scipy.optimize import Bounds, LinearConstraint, milp
     from scipy.sparse import coo_array
 
     depth = max(0, min(max_depth, c.n - 1))
     cost = (c.f if cost is None else np.asarray(cost)).astype(np.float64)
-    deadline = time.perf_counter() + time_limit_s
     target = budget_bytes
     for retry in range(4):
         m, v, peak_var = _build(c, target, depth, drop_cheap)
@@ -282,8 +286,10 @@ def solve_milp(c: C.Chain, budget_bytes: int | None, max_depth: int = 2,
         res = milp(_objective(c, m, v, cost, peak_var), integrality=np.array(m.integer),
                    bounds=Bounds(np.array(m.lb), np.array(m.ub)),
                    constraints=LinearConstraint(a, np.array(m.lo), np.array(m.hi)),
-                   options={"time_limit": max(0.05, deadline - time.perf_counter()),
+                   options={"node_limit": node_limit, "time_limit": time_limit_s,
                             "mip_rel_gap": 0.0, "presolve": True})
+        if "time limit" in str(res.message).lower():
+            return MilpResult(None, False, None, str(res.message), retry, timed_out=True)
         if res.x is None:
             return MilpResult(None, res.status == 2, None, str(res.message), retry)
         sch = _schedule(v, np.asarray(res.x), c.n, depth)
@@ -295,83 +301,93 @@ def solve_milp(c: C.Chain, budget_bytes: int | None, max_depth: int = 2,
     return MilpResult(None, False, None, "solver tolerance: no schedule within budget", 4)
 
 
-def plan_ilp(graph: ChainLike, budget_bytes: int | None = None, time_limit_s: float = 10.0,
+def plan_ilp(graph: ChainLike, budget_bytes: int | None = None, time_limit_s: float = SAFETY_S,
              max_depth: int = 2, cuts: str = "auto", max_stages: int = 100,
-             drop_cheap: bool = True, stage_time_s: list[float] | None = None) -> Plan:
+             drop_cheap: bool = True, stage_time_s: list[float] | None = None,
+             node_limit: int = NODE_LIMIT) -> Plan:
     """Least recomputation (FLOPs, or measured time with ``stage_time_s``, one per stage of
     ``ilp_chain(graph, cuts, max_stages)``) under the budget, by MILP; without a budget, the
-    least peak, then the least recomputation at it. ``plan.notes`` say whether HiGHS proved
-    the plan optimal (within ``max_depth``) or the gap left at ``time_limit_s``."""
+    least peak, then the least recomputation at it. The 'optimal' dynamic program is exact on
+    the same chain (every nesting depth): the MILP can only match it, so it runs on chains of
+    at most ``max_stages`` stages (as a check; the DP's plan wins ties) and ``plan.notes`` say
+    which plan is returned and why. Deterministic: HiGHS stops at ``node_limit`` nodes;
+    ``time_limit_s`` is a safety net whose stop is reported and never used."""
     max_depth = int_param("max_depth", max_depth, 0, "Use e.g. max_depth=2.")
     max_stages = int_param("max_stages", max_stages, 2, "Use e.g. max_stages=100.")
+    node_limit = int_param("node_limit", node_limit, 1, f"Use e.g. node_limit={NODE_LIMIT}.")
     if isinstance(time_limit_s, bool) or not isinstance(time_limit_s, (int, float)) or not (
             time_limit_s > 0):
-        raise bad_arg("time_limit_s", "seconds > 0", time_limit_s, "Use e.g. time_limit_s=10.")
+        raise bad_arg("time_limit_s", "seconds > 0", time_limit_s, "Use e.g. time_limit_s=600.")
     chain = ilp_chain(graph, cuts, max_stages)
     if stage_time_s is not None and len(stage_time_s) != chain.n:
         raise bad_arg("stage_time_s", f"{chain.n} forward times (one per stage of the ILP's "
                       "chain, see planners.ilp.ilp_chain)", len(stage_time_s),
                       "Measure each stage of that chain (memplan.timing.stage_times).")
-    coarse, groups = coarsen(chain, max_stages)
-    cost = None
-    if stage_time_s is not None:
-        cost = np.array([sum(stage_time_s[a : b + 1]) for a, b in groups])
-    params = {"time_limit_s": time_limit_s, "max_depth": max_depth, "cuts": cuts,
-              "max_stages": max_stages, "drop_cheap": drop_cheap,
+    cost = None if stage_time_s is None else np.asarray(stage_time_s, dtype=np.float64)
+    params = {"max_depth": max_depth, "cuts": cuts, "max_stages": max_stages,
+              "drop_cheap": drop_cheap, "node_limit": node_limit,
               "objective": "flops" if cost is None else "time"}
     notes = [f"chain of {chain.n} stages through {'all' if cuts != 'clean' else 'clean'} cut "
              "points" if not isinstance(graph, C.Chain) else f"chain of {chain.n} stages"]
-    if coarse is not chain:
-        notes.append(f"{chain.n} stages merged into {coarse.n} groups (max_stages)")
 
-    def wrap(sch: tuple[S.Item, ...], budget: int | None, extra: list[str]) -> Plan:
-        return make_plan(chain, sch, "ilp", params, budget, tuple(notes + extra), stage_time_s)
+    def wrap(sch: tuple[S.Item, ...], budget: int | None, extra: str) -> Plan:
+        return make_plan(chain, sch, "ilp", params, budget, tuple(notes + [extra]), stage_time_s)
 
-    t0 = time.perf_counter()
-    try:  # the dynamic program's plan: the one to beat (scipy passes HiGHS no start)
+    try:  # the dynamic program's plan: exact on this chain, the one to beat
         dp: Plan | None = plan_optimal(chain, budget_bytes, drop_cheap=drop_cheap,
                                        stage_time_s=stage_time_s)
     except BudgetTooSmall:
         dp = None
-    left = max(0.05, time_limit_s - (time.perf_counter() - t0))
-    res = solve_milp(coarse, budget_bytes, max_depth, left, drop_cheap, cost)
-    if budget_bytes is None and res.schedule is not None:  # then the least cost at that peak
-        least_peak = S.simulate(coarse, res.schedule)[0]
-        left = max(0.05, time_limit_s - (time.perf_counter() - t0))
-        again = solve_milp(coarse, least_peak, max_depth, left, drop_cheap, cost)
-        res = again if again.schedule is not None else res
-    status = ("proven optimal" if res.proven else f"time limit {time_limit_s:g} s reached, best "
-              f"found, gap {'unknown' if res.gap is None else f'{res.gap:.2%}'}")
-    status = f"MILP (HiGHS, regions nested <= {max_depth} deep): {status}"
-    mine = None if res.schedule is None else wrap(expand(res.schedule, groups), budget_bytes,
-                                                  [status])
+    if chain.n > max_stages:
+        if dp is None:
+            raise budget_too_small(budget_bytes or 0, plan_optimal(
+                chain, None, drop_cheap=drop_cheap, stage_time_s=stage_time_s).peak_bytes, "ilp")
+        return wrap(dp.schedule, budget_bytes, (
+            f"{chain.n} stages, over max_stages={max_stages}: a MILP over merged groups cannot "
+            f"beat the 'optimal' dynamic program, exact on all {chain.n} stages at every "
+            "nesting depth; its plan is returned"))
+    res = _milp_plan(chain, budget_bytes, max_depth, node_limit, drop_cheap, cost,
+                     time_limit_s)
+    status = (f"MILP (HiGHS, regions nested <= {max_depth} deep): "
+              + ("not used: stopped by the time_limit_s safety net before its node limit"
+                 if res.timed_out else "proven optimal" if res.proven else
+                 f"node limit {node_limit} reached, gap "
+                 f"{'unknown' if res.gap is None else f'{res.gap:.2%}'}"))
+    mine = None if res.schedule is None else wrap(res.schedule, budget_bytes, status)
     clean = _clean_dp(graph, chain, budget_bytes, drop_cheap, stage_time_s)
-    best = min((p for p in (mine, dp, clean) if p is not None),
-               key=lambda p: _key(p, budget_bytes), default=None)
-    if best is not None and best is clean and best is not mine:
-        assert clean is not None
+    if clean is not None and all(_key(clean, budget_bytes) < _key(p, budget_bytes)
+                                 for p in (mine, dp) if p is not None):
         note = (f"{status}; the 'optimal' dynamic program's plan on the clean chain "
                 f"({len(clean.stages)} stages) is better and returned")
-        return dataclasses.replace(clean, planner="ilp", params=params,
-                                   notes=(*notes, note))
-    if mine is not None and dp is not None and _key(dp, budget_bytes) < _key(mine, budget_bytes):
-        return wrap(dp.schedule, budget_bytes, [(f"{status}; the 'optimal' dynamic program's "
-                                                "plan is better and returned")])
-    if mine is None and dp is not None:
-        return wrap(dp.schedule, budget_bytes, [(f"MILP found no plan ({res.message}); the "
-                                                "'optimal' dynamic program's plan is returned")])
+        return dataclasses.replace(clean, planner="ilp", params=params, notes=(*notes, note))
+    if dp is not None and (mine is None or _key(dp, budget_bytes) <= _key(mine, budget_bytes)):
+        why = "no better" if mine is not None else "no plan"
+        return wrap(dp.schedule, budget_bytes, f"{status}; it found {why} than the 'optimal' "
+                    "dynamic program (exact on this chain), whose plan is returned")
     if mine is None:  # nothing found at the budget: the least peak says why
         if budget_bytes is None:
             raise budget_too_small(0, 0, "ilp")  # unreachable: keep-all always fits no budget
         least = plan_ilp(chain, None, time_limit_s, max_depth, cuts, max_stages, drop_cheap,
-                         stage_time_s)
+                         stage_time_s, node_limit)
         if least.peak_bytes > budget_bytes:
             raise budget_too_small(budget_bytes, least.peak_bytes, "ilp")
         return wrap(least.schedule, budget_bytes,
-                    [f"{status} at the budget; the least-peak plan is returned"])
+                    f"{status} at the budget; the least-peak plan is returned")
     if budget_bytes is not None and mine.peak_bytes > budget_bytes:  # never: checked above
         raise budget_too_small(budget_bytes, mine.peak_bytes, "ilp")
     return mine
+
+
+def _milp_plan(chain: C.Chain, budget_bytes: int | None, max_depth: int, node_limit: int,
+               drop_cheap: bool, cost: np.ndarray | None, time_limit_s: float) -> MilpResult:
+    """The MILP at the budget; without one, the least peak, then the least cost at it."""
+    res = solve_milp(chain, budget_bytes, max_depth, node_limit, drop_cheap, cost, time_limit_s)
+    if budget_bytes is None and res.schedule is not None:
+        least_peak = S.simulate(chain, res.schedule)[0]
+        again = solve_milp(chain, least_peak, max_depth, node_limit, drop_cheap, cost,
+                           time_limit_s)
+        res = again if again.schedule is not None else res
+    return res
 
 
 def _clean_dp(graph: ChainLike, chain: C.Chain, budget_bytes: int | None, drop_cheap: bool,

@@ -1,14 +1,18 @@
-"""``optimal``: least recomputation under a peak budget, a rotor-style dynamic program
+"""``optimal``: least recomputation under a peak budget: a rotor-style dynamic program
 (Beaumont et al. 2019) over the chain model of ``memplan.chain``, with nested regions
-(Sec. 4.4) and drop-cheap stages (Sec. 4.2) as choices. Exact under that model with
-``slot_bytes=1``; otherwise memory is counted in slots, rounded against us (every plan it
-returns fits). Chains longer than ``max_stages`` are first merged into balanced groups.
+(Sec. 4.4) and drop-cheap stages (Sec. 4.2) as choices, over every stage, exact to the byte.
 
-C(s, t, m, dr): least forward FLOPs executed to run stages s..t forward and backward with m
+C(s, t, m, dr): least forward cost executed to run stages s..t forward and backward with m
 bytes free (input of s kept by the caller; dr: that input may be dropped once read):
   keep s:      f_s + C(s+1, t, m - xbar_s + dr*d_{s-1}, 1)
   drop-cheap:  f_s + fcheap_s + C(s+1, t, m - xsac_s, 1)        (top level only)
   region s..e: sum f_s..e + C(e+1, t, m - x_e, 1) + C(s, e, m, 0)
+each where its own forward and backward fit (t = K-1: the top level; t < K-1: a region's
+body). ``frontier`` holds every C(s, t, ., dr) as its exact frontier in m, ``repeats`` solves
+identical sub-chains once, ``bounds`` prunes what no optimal plan can use. This module builds
+the stage table, runs the budgeted search (Alg. 3: the least cost at a budget, or the least
+peak) and rebuilds the schedule. With ``slots``, memory is counted in slots instead, rounded
+against the plan; with ``max_stages``, stages are first merged into groups (``coarse``).
 """
 
 from __future__ import annotations
@@ -16,278 +20,233 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 
 from memplan.core.budget import budget_too_small
-from memplan.core.chain import I64, Chain
+from memplan.core.chain import Chain
 from memplan.core.plan import Plan, make_plan
+from memplan.core.planners import frontier as F
+from memplan.core.planners.bounds import recompute_bounds
+from memplan.core.planners.coarse import coarsen, expand
 from memplan.core.planners.common import ChainLike, as_chain, int_param
+from memplan.core.planners.repeats import classes, stage_types
 from memplan.core.schedule import DropCheap, Item, Keep, Region, plain_schedule, simulate
 from memplan.errors import bad_arg
 
-INF = np.inf
+I64 = npt.NDArray[np.int64]
+I32 = npt.NDArray[np.int32]
+INF = float("inf")
+SLACK_START = 32  # the first search allows 1/32 of a forward pass above the lower bound
+LEAST_PEAK_TOLERANCE = 1024  # without a budget: the least peak to 1/1024 of the plain one
+MAX_NESTING = 100  # deeper plans recompute stages 100+ times; chain._run etc. recurse per level
 
 
-def coarsen(c: Chain, max_stages: int) -> tuple[Chain, list[tuple[int, int]]]:
-    """Merge consecutive stages into at most ``max_stages`` groups of similar kept bytes."""
-    k = c.n
-    if k <= max_stages:
-        return c, [(s, s) for s in range(k)]
-    weight = np.cumsum(np.maximum(c.xbar, 1)).astype(np.float64)
-    marks = np.searchsorted(weight, weight[-1] * np.arange(1, max_stages) / max_stages)
-    ends = sorted({int(m) for m in marks if m < k - 1} | {k - 1})
-    groups, lo = [], 0
-    for e in ends:
-        groups.append((lo, e))
-        lo = e + 1
-    return merge(c, groups), groups
+def stage_table(c: Chain, cost: I64 | None = None, slot: int = 1) -> I64:
+    """The program's per-stage values (rows ``frontier.COST`` ..), memory in units of ``slot``
+    bytes rounded against the plan (sizes and needs up, the credit d_{s-1} down): exact at 1.
+    ``cost``: per-stage forward cost (default FLOPs); drop-cheap's part scales with it."""
+    f = c.f if cost is None else np.asarray(cost, dtype=np.int64)
+    cheap = c.fcheap if cost is None else np.rint(f * (c.fcheap / np.maximum(c.f, 1)))
+
+    def up(v: I64) -> I64:
+        return -(-v // slot)
+
+    gb = up(c.gb)
+    rows = np.empty((F.ROWS, c.n), dtype=np.int64)
+    for row, v in ((F.COST, f), (F.CHEAP, cheap), (F.X, up(c.x)), (F.XBAR, up(c.xbar)),
+                   (F.DPREV, np.concatenate(([0], c.d[:-1])) // slot), (F.XSAC, up(c.xsac)),
+                   (F.TF_TOP, up(c.tf)), (F.TF_IN, up(c.tf_replay)),
+                   (F.NEED_B, up(c.xbar + c.tb) + gb),
+                   (F.DC_NEED, up(np.maximum(c.tf_sac, c.need_sac_b))),
+                   (F.TF0_TOP, up(c.tf0)), (F.TF0_IN, up(c.tf0_replay)),
+                   (F.GF_IN, up(c.d) + gb), (F.GB, gb)):
+        rows[row] = v
+    return rows
 
 
-def merge(c: Chain, groups: list[tuple[int, int]]) -> Chain:
-    """The chain whose stages are the groups; each group behaves as its stages run plainly
-    (keep), as one region (region forward), or as drop-cheap stages one by one."""
-    dprev = np.concatenate(([0], c.d[:-1]))
-    out: dict[str, list[int]] = {n: [] for n in ("f", "b", "x", "xbar", "d", "xsac", "xsac_b",
-                                                 "fcheap", "tf", "tf0", "tb", "gb", "tfr",
-                                                 "tfr0", "tfs")}
-    for a, b in groups:
-        own = c.xbar[a : b + 1] - np.concatenate(([0], dprev[a + 1 : b + 1]))
-        res = np.concatenate(([0], np.cumsum(own)))
-        xs = np.concatenate(([0], np.cumsum(c.xsac[a : b + 1])))
-        tf = int(np.max(res[:-1] + c.tf[a : b + 1]))
-        xin = np.concatenate(([0], c.x[a:b]))
-        peak_b = int(np.max(res[1:] + c.gb[a : b + 1] + c.tb[a : b + 1]))
-        peak_sac = int(np.max(xs[:-1] + c.need_sac_b[a : b + 1]))
-        gb = int(c.gb[b])
-        tb = peak_b - int(res[-1]) - gb
-        vals = {
-            "f": int(c.f[a : b + 1].sum()), "b": int(c.b[a : b + 1].sum()), "x": int(c.x[b]),
-            "xbar": int(res[-1]), "d": int(c.d[b]), "xsac": int(xs[-1]),
-            "xsac_b": peak_sac - gb - tb, "fcheap": int(c.fcheap[a : b + 1].sum()), "tf": tf,
-            "tf0": int(np.max(c.tf0[a : b + 1] + xin)), "tb": tb, "gb": gb,
-            "tfr": int(np.max(res[:-1] + c.tf_replay[a : b + 1])),
-            "tfr0": int(np.max(c.tf0_replay[a : b + 1] + xin)),
-            "tfs": int(np.max(xs[:-1] + c.tf_sac[a : b + 1])),
-        }
-        for name, v in vals.items():
-            out[name].append(v)
-    arr = {n: np.array(v, dtype=np.int64) for n, v in out.items()}
-    return Chain(
-        fingerprint=c.fingerprint, first=np.array([c.first[a] for a, _ in groups], dtype=np.int64),
-        last=np.array([c.last[b] for _, b in groups], dtype=np.int64),
-        modules=tuple(c.modules[b] for _, b in groups), base_bytes=c.base_bytes,
-        step_flops=c.step_flops, f=arr["f"], b=arr["b"], x=arr["x"], xbar=arr["xbar"],
-        d=arr["d"], xsac=arr["xsac"], xsac_b=arr["xsac_b"], fcheap=arr["fcheap"], tf=arr["tf"],
-        tf0=arr["tf0"], tb=arr["tb"], gb=arr["gb"], tfr=arr["tfr"], tfr0=arr["tfr0"],
-        tfs=arr["tfs"],
-    )
+@dataclass(frozen=True)
+class _Shape:
+    """What does not depend on the budget: the table and its classes of identical sub-chains."""
+
+    st: I64
+    cid: I32
+    min_gb: I64
+    allow_dc: bool
+
+    @classmethod
+    def of(cls, st: I64, allow_dc: bool, share: bool = True) -> _Shape:
+        """``share``: solve identical sub-chains once (off: every stage its own kind)."""
+        # What a sub-chain inside a region depends on, gradient bytes relative to its end.
+        gb = st[F.GB]
+        inner = np.stack([st[F.COST], st[F.X], st[F.XBAR], st[F.DPREV], st[F.TF_IN],
+                          st[F.TF0_IN], st[F.NEED_B] - gb, st[F.GF_IN] - gb,
+                          np.append(gb[:-1] - gb[1:], 0)])
+        kinds = stage_types(inner) if share else np.arange(st.shape[1], dtype=np.int64)
+        cid, min_gb = classes(kinds, gb)
+        return cls(st, cid, min_gb, allow_dc)
+
+    def fill(self, free: int, cost_caps: tuple[I64, int] | None) -> _Program:
+        """The program for ``free`` bytes; ``cost_caps``: (top-level caps, inner slack)."""
+        st = self.st
+        credit = int(np.maximum(st[F.DPREV] - st[F.XBAR], 0).sum())  # m can grow by this
+        mcap = min(free + credit, F.BIG // 4)
+        top, inner = cost_caps or (np.full(st.shape[1], F.BIG // 4, dtype=np.int64), F.BIG // 4)
+        pool, tab = F.fill(st, self.cid, mcap - self.min_gb, mcap, top, inner, self.allow_dc)
+        return _Program(st, self.cid, len(self.min_gb), pool, tab)
 
 
-def _slots(v: I64, slot: int) -> I64:
-    return -(-v // slot)  # ceil, also for negatives
+@dataclass(frozen=True)
+class _Program:
+    """Filled frontiers, and the schedule read back from them."""
+
+    st: I64
+    cid: I32
+    n_cls: int
+    pool: I64
+    tab: I64
+
+    def point(self, s: int, t: int, dr: int, m: int) -> tuple[int, int] | None:
+        """(cost, choice) of C(s, t, ., dr) at m; None: infeasible there."""
+        row, base = F.ref(self.cid, self.st[F.GB], self.n_cls, s, t)
+        off, n = int(self.tab[row, dr, 0]), int(self.tab[row, dr, 1])
+        i = F.find(self.pool, off, n, m - base)
+        return None if i < 0 else (int(self.pool[off + i, 1]), int(self.pool[off + i, 2]))
+
+    def schedule(self, s: int, t: int, dr: int, m: int) -> tuple[Item, ...]:
+        items: list[Item] = []
+        while s <= t:
+            hit = self.point(s, t, dr, m)
+            assert hit is not None, "a frontier point refers to an infeasible one"
+            choice = hit[1]
+            if choice == F.KEEP:
+                items.append(Keep(s))
+                m -= int(self.st[F.XBAR, s] - dr * self.st[F.DPREV, s])
+            elif choice == F.DROP_CHEAP:
+                items.append(DropCheap(s))
+                m -= int(self.st[F.XSAC, s])
+            else:  # a region s..e: its body has m free too
+                e = s + choice
+                items.append(Region(s, e, self.schedule(s, e, 0, m)))
+                m -= int(self.st[F.X, e])
+                s = e
+            s, dr = s + 1, 1
+        return tuple(items)
 
 
-@dataclass
-class _Tables:
-    """The filled program, indexed [t, s, m] (end, start, free slots): t0 for dr=0, t1 for
-    dr=1, r1 = t1 shifted by x_{s-1} (the checkpoint a region ending at s-1 leaves), the
-    choice codes by length (1 keep, 2 drop-cheap, 3 region) and what a region's split needs.
-    With this layout every table a length needs is a strided view: nothing is gathered."""
-
-    k: int
-    t0: np.ndarray
-    t1: np.ndarray
-    r1: np.ndarray
-    choice: list[np.ndarray]
-    fsum: np.ndarray
-    f0: I64  # a region's first forward at top level (the user's Python runs it)
-    f0r: I64  # the same replayed inside an enclosing region's replay
-    gb: I64
-    x: I64
-    xbar: I64
-    xsac: I64
-    dprev: I64
-
-    def gf(self, t: np.ndarray | int) -> np.ndarray:
-        """Gradient bytes held during a forward whose enclosing sequence ends at stage t (a
-        region's replay: gb_t plus the unsaved part of its output, d_t, which gb counts as
-        resident; chain._run)."""
-        return np.where(np.asarray(t) == self.k - 1, 0, self.gb[t])
-
-    def diag(self, table: np.ndarray, t: int, s: int, rows: int, jumps: int = 0) -> np.ndarray:
-        """View of table[t + i + j, s + i] (i < rows, j < jumps when jumps) as [(j,) i, m]."""
-        st, ss, sm = table.strides
-        shape = (rows, table.shape[2]) if not jumps else (jumps, rows, table.shape[2])
-        strides = (st + ss, sm) if not jumps else (st, st + ss, sm)
-        return np.lib.stride_tricks.as_strided(table[t, s], shape, strides)
-
-    def regions(self, s0: int, ns: int, length: int, out: np.ndarray,
-                mask: np.ndarray) -> np.ndarray:
-        """out[j-1, i, m]: cost of region s..s+j-1 then the rest s+j..s+length-1, for
-        s = s0 + i and j = 1..length-1 (inf where the region's forward does not fit)."""
-        s = np.arange(s0, s0 + ns)
-        jj = np.arange(1, length)[:, None]
-        fs = (self.fsum[s[None, :] + jj] - self.fsum[s][None, :])[:, :, None]
-        np.add(fs, self._rest(s0, ns, length), out=out)
-        out += self.diag(self.t0, s0, s0, ns, length - 1)
-        f0 = np.where(s + length - 1 == self.k - 1, self.f0[1:length, s], self.f0r[1:length, s])
-        need = self.gf(s + length - 1)[None, :] + f0
-        np.less(np.arange(out.shape[2])[None, None, :], need[:, :, None], out=mask)
-        np.copyto(out, INF, where=mask)
-        return out
-
-    def _rest(self, s0: int, ns: int, length: int) -> np.ndarray:
-        """r1[s + length - 1, s + j] as [j-1, i, m]: t fixed per i, start s + j."""
-        st, ss, sm = self.r1.strides
-        return np.lib.stride_tricks.as_strided(
-            self.r1[s0 + length - 1, s0 + 1], (length - 1, ns, self.r1.shape[2]),
-            (ss, st + ss, sm))
+def _cost_caps(shape: _Shape, free: int, slack: int) -> tuple[I64, int]:
+    """Cost caps that keep every plan whose recomputation is within ``slack`` of the lower
+    bound (``bounds``): the suffix from s pays at most the rest of that after the prefix's
+    own least recomputation; a region's body at most the slack beyond one replay."""
+    cost = shape.st[F.COST]
+    lb_total, lb_prefix = recompute_bounds(shape.st, free, shape.allow_dc)
+    margin = 1 + int(1e-9 * float(cost.sum()))  # the bounds are floats
+    suffix = np.cumsum(cost[::-1])[::-1]
+    top = suffix + np.floor(lb_total - lb_prefix).astype(np.int64) + slack + margin
+    return np.minimum(top, F.BIG // 4), min(slack + margin, F.BIG // 4)
 
 
-def solve(c: Chain, avail_bytes: int, slots: int = 256, slot_bytes: int | None = None,
-          cost: np.ndarray | None = None, allow_drop_cheap: bool = True
+def search(shape: _Shape, free: int) -> _Program | None:
+    """The program at ``free`` bytes whose root point is the optimum; None: nothing fits.
+    Costs are capped at the lower bound plus a slack; if that cuts every plan, the slack
+    doubles (the caps never cut a plan within them, so the first plan found is optimal)."""
+    k = shape.st.shape[1]
+    total = int(shape.st[F.COST].sum()) + int(shape.st[F.CHEAP].sum())
+    slack = max(1, int(shape.st[F.COST].sum()) // SLACK_START)
+    checked = False
+    while True:
+        unbounded = slack > (k + 1) * max(total, 1)
+        prog = shape.fill(free, None if unbounded else _cost_caps(shape, free, slack))
+        if prog.point(0, k - 1, 0, free) is not None:
+            return prog
+        if unbounded or (not checked and least_need(shape) > free):
+            return None
+        checked = True
+        slack *= 2
+
+
+def least_need(shape: _Shape) -> int:
+    """The fewest free bytes (units) any schedule needs (``frontier.BIG``: none fits)."""
+    return int(F.least_need(shape.st, shape.cid, len(shape.min_gb), shape.allow_dc))
+
+
+def solve(c: Chain, avail_bytes: int, slots: int | None = None, slot_bytes: int | None = None,
+          cost: I64 | None = None, allow_drop_cheap: bool = True
           ) -> tuple[float, tuple[Item, ...] | None]:
     """(forward cost executed, schedule) of the cheapest schedule fitting ``avail_bytes`` above
-    the base; (inf, None) when none does. ``cost``: per-stage forward cost (default FLOPs)."""
-    k = c.n
+    the base; (inf, None) when none does. Exact in bytes unless ``slots`` (memory in that many
+    slots of the budget) or ``slot_bytes`` is given."""
     if avail_bytes < 0:
         return INF, None
-    slot = slot_bytes or max(1, -(-avail_bytes // slots))
-    mm = avail_bytes // slot
-    f = (c.f if cost is None else np.asarray(cost)).astype(np.float64)
-    fc = c.fcheap.astype(np.float64) if cost is None else f * (c.fcheap / np.maximum(c.f, 1))
-    x, xbar, xsac = _slots(c.x, slot), _slots(c.xbar, slot), _slots(c.xsac, slot)
-    dprev = np.concatenate(([0], c.d[:-1])) // slot  # a credit: rounded down
-    need_b = _slots(c.xbar + c.gb + c.tb, slot)
-    need_bs = _slots(c.need_sac_b, slot)
-    tf, tfr, tfs = _slots(c.tf, slot), _slots(c.tf_replay, slot), _slots(c.tf_sac, slot)
-    f0, f0r = (_region_forward(_slots(t0, slot), x, k) for t0 in (c.tf0, c.tf0_replay))
-    shape = (k, k, mm + 1)  # only t >= s is ever written or read: no need to initialise
-    tab = _Tables(k, np.empty(shape), np.empty(shape), np.empty(shape),
-                  [np.zeros(0, dtype=np.int8)], np.concatenate(([0.0], np.cumsum(f))), f0, f0r,
-                  _slots(c.gb + c.d, slot), x, xbar, xsac, dprev)
-    rows = max(((n - 1) * (k - n + 1) for n in range(1, k + 1)), default=0)
-    work = np.empty(rows * (mm + 1))
-    mask = np.empty(rows * (mm + 1), dtype=np.bool_)
-    mgrid = np.arange(mm + 1)
-    for length in range(1, k + 1):  # all (s, t = s+length-1) at once
-        ns = k - length + 1
-        s_idx = np.arange(ns)
-        t_idx = s_idx + length - 1
-        gf = tab.gf(t_idx)
-        best = np.full((ns, 2, mm + 1), INF)
-        arg = np.ones((ns, 2, mm + 1), dtype=np.int8)
-        rest1 = tab.diag(tab.t1, length - 1, 1, ns) if length > 1 else None
-        tf_s = np.where(t_idx == k - 1, tf[:ns], tfr[:ns])  # inside a region: a replay
-        for dr in (0, 1):  # keep s
-            need = np.maximum(gf + tf_s, need_b[:ns] - dr * dprev[:ns])
-            ok = mgrid[None, :] >= need[:, None]
-            if rest1 is None:
-                best[:, dr] = np.where(ok, f[:ns, None], INF)
-            else:
-                cand = f[:ns, None] + _shifted(rest1, xbar[:ns] - dr * dprev[:ns])
-                best[:, dr] = np.where(ok, cand, INF)
-        candidates: list[tuple[np.ndarray, int]] = []
-        if allow_drop_cheap:  # drop-cheap s: top level (t = K-1) only
-            top = t_idx == k - 1
-            need = np.maximum(gf + tfs[:ns], need_bs[:ns])
-            ok = (mgrid[None, :] >= need[:, None]) & top[:, None]
-            if rest1 is None:
-                candidates.append((np.where(ok, (f + fc)[:ns, None], INF), 2))
-            else:
-                rest = _shifted(rest1, xsac[:ns])
-                candidates.append((np.where(ok, (f + fc)[:ns, None] + rest, INF), 2))
-        if length > 1:  # regions s..s+j-1 for every j; which j is recovered on rebuild
-            size = (length - 1) * ns * (mm + 1)
-            out = work[:size].reshape(length - 1, ns, mm + 1)
-            m3 = mask[:size].reshape(length - 1, ns, mm + 1)
-            candidates.append((tab.regions(0, ns, length, out, m3).min(axis=0), 3))
-        for cand, code in candidates:  # strictly better only: ties keep the earlier choice
-            for dr in (0, 1):
-                better = cand < best[:, dr]
-                best[:, dr] = np.where(better, cand, best[:, dr])
-                np.putmask(arg[:, dr], better, code)
-        tab.diag(tab.t0, length - 1, 0, ns)[...] = best[:, 0]
-        tab.diag(tab.t1, length - 1, 0, ns)[...] = best[:, 1]
-        if ns > 1:  # r1[t, s] = t1[t, s] shifted by x_{s-1}
-            tab.diag(tab.r1, length, 1, ns - 1)[...] = _shifted(best[1:, 1], x[: ns - 1])
-        tab.choice.append(arg)
-    total = float(tab.t0[k - 1, 0, mm])
-    if total == INF:
+    slot = slot_bytes or (max(1, -(-avail_bytes // slots)) if slots else 1)
+    shape = _Shape.of(stage_table(c, cost, slot), allow_drop_cheap)
+    free = avail_bytes // slot
+    prog = search(shape, free)
+    if prog is None:
         return INF, None
-    return total, _rebuild(tab, 0, k - 1, 0, int(mm))
+    hit = prog.point(0, c.n - 1, 0, free)
+    assert hit is not None
+    return float(hit[0]), prog.schedule(0, c.n - 1, 0, free)
 
 
-def _region_forward(tf0: I64, x: I64, k: int) -> I64:
-    """f0[j, s]: the forward need of region s..s+j-1 (nothing saved; inputs of later stages
-    held)."""
-    f0 = np.zeros((k + 1, k), dtype=np.int64)
-    f0[1] = tf0
-    for j in range(2, k):
-        f0[j, : k - j + 1] = np.maximum(f0[j - 1, : k - j + 1], tf0[j - 1 :] + x[j - 2 : k - 1])
-    return f0
+def kind_means(c: Chain, times_ns: npt.NDArray[np.float64]) -> I64:
+    """Measured times averaged over stages of one kind (equal FLOPs and bytes, gradient bytes
+    aside): timing noise would make every stage unique and cost the program its sharing of
+    identical sub-chains (``repeats``). Whole nanoseconds."""
+    st = stage_table(c)
+    kinds = stage_types(np.delete(st, [F.NEED_B, F.GF_IN, F.GB], axis=0))
+    mean = np.bincount(kinds, weights=times_ns) / np.bincount(kinds)
+    return np.rint(mean[kinds]).astype(np.int64)
 
 
-def _shifted(row: np.ndarray, shift: I64) -> np.ndarray:
-    """row[s, m - shift[s]] for every m (inf where negative; capped at the top slot)."""
-    mm = row.shape[1] - 1
-    idx = np.arange(mm + 1)[None, :] - shift[:, None]
-    out = np.take_along_axis(row, np.clip(idx, 0, mm), axis=1)
-    return np.where(idx < 0, INF, out)
+def least_peak_schedule(c: Chain, slots: int | None = None, cost: I64 | None = None,
+                        allow_drop_cheap: bool = True) -> tuple[Item, ...]:
+    """The cheapest schedule within ``LEAST_PEAK_TOLERANCE`` of the way from the least peak to
+    the plain one above the least peak. Exactly at the least peak, a long chain of equal stages
+    nests regions as deep as it is long (O(1) memory, O(K^2) recomputation: Sec. 4.4's end
+    point); a hair above, a few levels do for a small fraction of the cost."""
+    plain = int(simulate(c, plain_schedule(c))[0]) - c.base_bytes
+    slot = max(1, -(-plain // slots)) if slots else 1
+    shape = _Shape.of(stage_table(c, cost, slot), allow_drop_cheap)
+    need = least_need(shape) + plain // slot // LEAST_PEAK_TOLERANCE
+    prog = search(shape, need)
+    assert prog is not None  # above the least need
+    return prog.schedule(0, c.n - 1, 0, need)
 
 
-def _rebuild(tab: _Tables, s: int, t: int, dr: int, m: int) -> tuple[Item, ...]:
-    items: list[Item] = []
-    top = tab.t0.shape[2] - 1
-    while s <= t:
-        code = int(tab.choice[t - s + 1][s, dr, m])
-        if code == 1:
-            items.append(Keep(s))
-            m = min(m - int(tab.xbar[s]) + dr * int(tab.dprev[s]), top)
-            s, dr = s + 1, 1
-        elif code == 2:
-            items.append(DropCheap(s))
-            m -= int(tab.xsac[s])
-            s, dr = s + 1, 1
-        else:  # the least j, as the table's strict comparisons chose it
-            n = t - s + 1
-            out = np.empty((n - 1, 1, top + 1))
-            cand = tab.regions(s, 1, n, out, np.empty(out.shape, dtype=np.bool_))[:, 0, m]
-            j = int(np.argmin(cand)) + 1
-            body = _rebuild(tab, s, s + j - 1, 0, m)
-            items.append(Region(s, s + j - 1, body))
-            m -= int(tab.x[s + j - 1])
-            s, dr = s + j, 1
-    return tuple(items)
+def nesting(items: tuple[Item, ...]) -> int:
+    """How deep recompute regions nest (the paper's largest mirror count m(v))."""
+    deepest, stack = 0, [(items, 0)]
+    while stack:
+        seq, depth = stack.pop()
+        deepest = max(deepest, depth)
+        stack.extend((it.body, depth + 1) for it in seq if isinstance(it, Region))
+    return deepest
 
 
-def expand(items: tuple[Item, ...], groups: list[tuple[int, int]]) -> tuple[Item, ...]:
-    """A schedule over groups as a schedule over the original stages."""
-    out: list[Item] = []
-    for it in items:
-        if isinstance(it, Keep):
-            out.extend(Keep(s) for s in range(groups[it.stage][0], groups[it.stage][1] + 1))
-        elif isinstance(it, DropCheap):
-            out.extend(DropCheap(s) for s in range(groups[it.stage][0], groups[it.stage][1] + 1))
-        else:
-            out.append(Region(groups[it.start][0], groups[it.end][1], expand(it.body, groups)))
-    return tuple(out)
-
-
-def plan_optimal(graph: ChainLike, budget_bytes: int | None = None, max_stages: int = 100,
-                 slots: int = 256, drop_cheap: bool = True,
-                 stage_time_s: list[float] | None = None) -> Plan:
+def plan_optimal(graph: ChainLike, budget_bytes: int | None = None,
+                 max_stages: int | None = None, slots: int | None = None,
+                 drop_cheap: bool = True, stage_time_s: list[float] | None = None) -> Plan:
     """Least recomputation (FLOPs, or measured time with ``stage_time_s``) under the budget;
-    without a budget, the least peak found (a bisection over budgets)."""
+    without a budget, the least peak (to 1/1024 of the plain peak: ``least_peak_schedule``)
+    and the least recomputation at it. Every stage, exact to the byte by default;
+    ``max_stages`` merges stages into that many groups first and ``slots`` counts memory in
+    that many slots of the budget (both faster, coarser). A budget whose cheapest plan nests
+    regions deeper than ``MAX_NESTING`` (a hair above the least peak) is refused as too small:
+    the least-peak plan's peak is what it asks for."""
     chain = as_chain(graph)
-    max_stages = int_param("max_stages", max_stages, 2, "Use e.g. max_stages=100.")
-    slots = int_param("slots", slots, 8, "Use e.g. slots=256.")
+    if max_stages is not None:
+        max_stages = int_param("max_stages", max_stages, 2, "Use e.g. max_stages=100, or None.")
+    if slots is not None:
+        slots = int_param("slots", slots, 8, "Use e.g. slots=4096, or None (exact bytes).")
     if stage_time_s is not None and len(stage_time_s) != chain.n:
         raise bad_arg("stage_time_s", f"{chain.n} forward times (one per stage)",
                       len(stage_time_s), "Measure each stage of this graph's chain.")
-    coarse, groups = coarsen(chain, max_stages)
+    coarse, groups = coarsen(chain, max_stages) if max_stages else (chain, [(s, s) for s in
+                                                                           range(chain.n)])
     cost = None
-    if stage_time_s is not None:
-        cost = np.array([sum(stage_time_s[a : b + 1]) for a, b in groups])
+    if stage_time_s is not None:  # nanoseconds: integer costs keep the program exact
+        cost = kind_means(coarse, np.array([1e9 * sum(stage_time_s[a : b + 1])
+                                            for a, b in groups]))
     params = {"max_stages": max_stages, "slots": slots, "drop_cheap": drop_cheap,
               "objective": "flops" if cost is None else "time"}
     notes: tuple[str, ...] = () if coarse is chain else (
@@ -300,28 +259,29 @@ def plan_optimal(graph: ChainLike, budget_bytes: int | None = None, max_stages: 
             raise budget_too_small(budget_bytes, plan.peak_bytes, "optimal")
         return plan
 
+    if budget_bytes is not None:
+        _, sch = solve(coarse, budget_bytes - chain.base_bytes, slots, cost=cost,
+                       allow_drop_cheap=drop_cheap)
+        if sch is not None and nesting(sch) <= MAX_NESTING:
+            return done(expand(sch, groups))
+    least = make_plan(chain, expand(least_peak_schedule(coarse, slots, cost, drop_cheap),
+                                    groups), "optimal", params, None)
     if budget_bytes is None:
-        return done(least_peak_plan(chain, coarse, groups, slots, drop_cheap, cost).schedule)
-    _, sch = solve(coarse, budget_bytes - chain.base_bytes, slots, cost=cost,
-                   allow_drop_cheap=drop_cheap)
-    if sch is None:
-        least = least_peak_plan(chain, coarse, groups, slots, drop_cheap, cost)
-        if least.peak_bytes > budget_bytes:
-            raise budget_too_small(budget_bytes, least.peak_bytes, "optimal")
-        return done(least.schedule, ("slot rounding: the least-peak plan is returned",))
-    return done(expand(sch, groups))
+        return done(least.schedule)
+    if least.peak_bytes > budget_bytes:
+        raise budget_too_small(budget_bytes, least.peak_bytes, "optimal")
+    note = (f"the least-peak plan is returned: at this budget slot rounding finds none, or "
+            f"the cheapest plan nests regions over {MAX_NESTING} deep")
+    return done(least.schedule, (note,))
 
 
-def least_peak_plan(chain: Chain, coarse: Chain, groups: list[tuple[int, int]], slots: int,
-                    drop_cheap: bool, cost: np.ndarray | None, steps: int = 10) -> Plan:
-    """The lowest-peak plan the program finds: bisection on the budget."""
-    lo, hi = 0, int(simulate(chain, plain_schedule(chain))[0]) - chain.base_bytes
-    best = plain_schedule(coarse)
-    for _ in range(steps):
-        mid = (lo + hi) // 2
-        _, sch = solve(coarse, mid, slots, cost=cost, allow_drop_cheap=drop_cheap)
-        if sch is None:
-            lo = mid + 1
-        else:
-            hi, best = mid, sch
-    return make_plan(chain, expand(best, groups), "optimal", {}, None)
+def warm_up() -> None:
+    """Compile (and cache on disk) the program's kernels: numba compiles on first use, tens of
+    seconds of CPU; ``make install`` calls this once so planning starts warm."""
+    k = 3
+    one = np.ones(k, dtype=np.int64)
+    c = Chain("warm-up", np.arange(k), np.arange(k), ("m",) * k, f=one, b=one, x=one,
+              xbar=2 * one, d=one, xsac=one, xsac_b=2 * one, fcheap=one, tf=one, tf0=one,
+              tb=one, gb=one, base_bytes=0, step_flops=3 * k)
+    solve(c, 10)
+    least_peak_schedule(c)
