@@ -233,8 +233,10 @@ class _Run:
                 if v.id not in first_read:
                     continue  # a scalar autograd wrapped: no op reads it, nothing tracks it
                 birth = m[first_read[v.id]]  # a tensor from outside the step: seen from then
-            if v.kind != g.ACTIVATION or v.producer < 0:
-                intervals.append((birth, at(v.death), v.nbytes))
+            if v.kind != g.ACTIVATION or v.producer < 0:  # a tape may keep it longer
+                end = max([at(v.death)] + [m[tape_death[root.index]]
+                                           for root in tape_kept.get(v.id, ())])
+                intervals.append((birth, end, v.nbytes))
                 continue
             death = _earlier(v.death_unsaved, v.death)
             end = at(death)
