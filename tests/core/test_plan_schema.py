@@ -240,7 +240,7 @@ def _plan() -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("mutate, needle", [
-    (lambda d: d["stages"][-1].update(index=-1), "stages[11].index"),
+    (lambda d: d["stages"][-1].update(index=-1), "stages[LAST].index"),
     (lambda d: d["schedule"][-1].update(stage=-1), "stage"),
     (lambda d: d["schedule"].append({"kind": "recompute", "start": -2, "end": -1, "body": []}),
      "start"),
@@ -275,6 +275,7 @@ def _plan() -> dict[str, Any]:
 ])
 def test_each_malformed_field_is_named(mutate: Any, needle: str) -> None:
     data = _plan()
+    needle = needle.replace("LAST", str(len(data["stages"]) - 1))  # the last stage's index
     mutate(data)
     with pytest.raises(PlanInvalid, match="not a (valid )?memplan plan") as info:
         Plan.from_dict(data)

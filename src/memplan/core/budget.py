@@ -15,16 +15,32 @@ _ACCEPTED = ("an int of bytes (> 0), a string like '6GiB', '7GB' or '512MiB', "
 
 
 def budget_too_small(budget_bytes: int, least_peak_bytes: int, planner: str,
-                     hint: str | None = None) -> BudgetTooSmall:
-    """The refusal when nothing fits: the budget, the least feasible peak, and what to do."""
-    fix = hint if hint is not None else (
-        ", or try planner='optimal' (it reaches the lowest peaks)." if planner != "optimal"
-        else ".")
-    return BudgetTooSmall(
-        budget_bytes, least_peak_bytes, planner,
-        f"budget {format_bytes(budget_bytes)} ({budget_bytes:,} B) is below the least feasible "
-        f"peak {format_bytes(least_peak_bytes)} ({least_peak_bytes:,} B) of planner "
-        f"'{planner}'. Raise the budget to at least {least_peak_bytes:,} B{fix}")
+                     hint: str | None = None, least_peaks: dict[str, int] | None = None
+                     ) -> BudgetTooSmall:
+    """The refusal when nothing fits: the budget, the least feasible peak of ``planner``,
+    the least peak of each planner in ``least_peaks`` (when compared), and what to do: use
+    the planner that reaches the lowest peak, or raise the budget."""
+    text = (f"budget {format_bytes(budget_bytes)} ({budget_bytes:,} B) is below the least "
+            f"feasible peak {format_bytes(least_peak_bytes)} ({least_peak_bytes:,} B) of "
+            f"planner '{planner}'. ")
+    if least_peaks:
+        best = min(least_peaks, key=lambda k: (least_peaks[k], k != planner, k))
+        text += "Least peaks: " + ", ".join(
+            f"{k} {format_bytes(v)} ({v:,} B)" for k, v in sorted(
+                least_peaks.items(), key=lambda kv: (kv[1], kv[0]))) + ". "
+        low = least_peaks[best]
+        if best != planner and low < least_peak_bytes:
+            fit = "fits this budget" if low <= budget_bytes else f"needs at least {low:,} B"
+            text += (f"Use planner='{best}': it reaches {format_bytes(low)} ({fit})"
+                     + ("." if low <= budget_bytes else ", or raise the budget."))
+        else:
+            text += (f"Raise the budget to at least {least_peak_bytes:,} B ('{planner}' "
+                     "reaches the lowest peak).")
+    else:
+        text += (f"Raise the budget to at least {least_peak_bytes:,} B"
+                 + (hint if hint is not None else ", or compare the planners: memplan.plan("
+                    "model, ..., budget=...) names the least peak each reaches."))
+    return BudgetTooSmall(budget_bytes, least_peak_bytes, planner, text, least_peaks)
 
 
 _INT = re.compile(r"^\s*[0-9]+\s*$")

@@ -38,6 +38,7 @@ class Stage:
     saved_bytes: int  # what a plain run keeps for backward
     fwd_flops: int
     recompute_ops: tuple[int, ...] = ()  # drop-cheap: ops whose outputs are recomputed
+    boundary: str = "call"  # how the runtime finds its end (graph.CutPoint.kind)
 
 
 @dataclass(frozen=True)
@@ -181,7 +182,8 @@ def make_plan(chain: C.Chain, schedule: tuple[S.Item, ...], planner: str,
     stages = tuple(
         Stage(s, int(chain.first[s]), int(chain.last[s]), chain.modules[s], mirror[s], mode[s],
               int(chain.xbar[s]), int(chain.f[s]),
-              chain.cheap_ops[s] if mode[s] == "drop-cheap" and chain.cheap_ops else ())
+              chain.cheap_ops[s] if mode[s] == "drop-cheap" and chain.cheap_ops else (),
+              chain.kinds[s] if chain.kinds else "call")
         for s in range(chain.n)
     )
     time_s = None

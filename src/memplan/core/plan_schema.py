@@ -28,6 +28,7 @@ MAX_TEXT_CHARS = 4096  # a planner name, a module path, a note
 MAX_DIMS = 64  # an example input's dimensions
 MODES = ("keep", "drop-cheap", "recompute")
 ITEM_KINDS = MODES  # the schedule's items: Keep, DropCheap, Region
+BOUNDARIES = ("call", "leaf", "op")  # how the runtime finds a stage's end (CutPoint.kind)
 # Example-input and autocast dtypes a plan may name (memplan.tracing.fake.DTYPES maps them).
 DTYPE_NAMES = ("float64", "float32", "float16", "bfloat16", "complex64", "complex128",
                "int64", "int32", "int16", "int8", "uint8", "bool")
@@ -120,7 +121,7 @@ def _stages(value: object) -> int:
     next_op = 0
     for i, raw in enumerate(stages):
         where = f"stages[{i}]"
-        st = _keys(raw, where, _STAGE)
+        st = _keys(raw, where, _STAGE, ("boundary",))
         _int(st["index"], f"{where}.index", lo=i, hi=i)
         _int(st["first_op"], f"{where}.first_op", lo=next_op, hi=next_op)
         last = _int(st["last_op"], f"{where}.last_op", lo=next_op)
@@ -130,6 +131,8 @@ def _stages(value: object) -> int:
             raise _bad(f"{where}.mode", f"one of {list(MODES)}", st["mode"])
         _int(st["saved_bytes"], f"{where}.saved_bytes")
         _int(st["fwd_flops"], f"{where}.fwd_flops")
+        if st.get("boundary", "call") not in BOUNDARIES:
+            raise _bad(f"{where}.boundary", f"one of {list(BOUNDARIES)}", st["boundary"])
         ops = _list(st["recompute_ops"], f"{where}.recompute_ops")
         if ops and st["mode"] != "drop-cheap":
             raise _bad(f"{where}.recompute_ops", "empty unless the stage is drop-cheap", ops)

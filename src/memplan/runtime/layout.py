@@ -3,9 +3,10 @@ recompute scope of each stage, and the module call that ends it. Pure: no torch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from memplan.core import schedule as S
+from memplan.core.graph import OP
 from memplan.core.plan import Plan
 from memplan.errors import PlanMismatch
 
@@ -25,10 +26,13 @@ class Layout:
 
     template_of_stage: list[Template | None]  # the innermost recompute scope of each stage
     # Stage s ends when the end_calls[s][1]-th call of module end_calls[s][0] returns (None:
-    # the end of the forward). Module calls, not op counts, mark boundaries at run time, so
-    # kept stages run with no dispatch mode at all.
+    # the end of the forward, or an op boundary). Module calls mark boundaries at run time, so
+    # kept stages run with no dispatch mode at all...
     end_calls: list[tuple[str, int] | None]
     templates: list[Template]
+    # ...except a stage that ends after an op of functional code (a plan through an op-level
+    # cut point): it ends when end_ops[s] ops have run in it (counted as capture counts them).
+    end_ops: list[int | None] = field(default_factory=list)
 
     @property
     def boundary_modules(self) -> tuple[str, ...]:
@@ -64,9 +68,12 @@ def layout(plan: Plan, n_ops: int, call_ends: dict[str, list[int]]) -> Layout:
 
     walk(plan.schedule, None)
     end_calls: list[tuple[str, int] | None] = []
+    end_ops: list[int | None] = []
     for st in stages:
-        if st.last_op >= n_ops - 1:
-            end_calls.append(None)  # the forward's own end
+        end_ops.append(st.last_op - st.first_op + 1 if st.boundary == OP and
+                       st.last_op < n_ops - 1 else None)
+        if st.last_op >= n_ops - 1 or st.boundary == OP:
+            end_calls.append(None)  # the forward's own end, or an op boundary
             continue
         ends = call_ends.get(st.module, [])
         if st.last_op + 1 not in ends:
@@ -77,4 +84,4 @@ def layout(plan: Plan, n_ops: int, call_ends: dict[str, list[int]]) -> Layout:
                 "Make the plan for this model with memplan.plan(...)."
             )
         end_calls.append((st.module, ends.index(st.last_op + 1) + 1))
-    return Layout(scope, end_calls, templates)
+    return Layout(scope, end_calls, templates, end_ops)

@@ -35,6 +35,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from memplan.core.ops import is_expensive
 from memplan.errors import ReplayError
 from memplan.runtime.layout import Layout, Template
+from memplan.tracing.tracer import is_counted
 
 Pos = tuple[int, int]  # (tape entry, output index)
 
@@ -149,6 +150,7 @@ class StepState:
         self.scopes: dict[int, Scope] = {}  # template index -> instance (this forward)
         self.recorded_ops = 0
         self.mode: PlanMode | None = None
+        self.ops_left: int | None = None  # ops until the current stage's op boundary
 
     @property
     def current(self) -> Template | None:
@@ -161,6 +163,7 @@ class StepState:
         return self.stage >= len(self.layout.end_calls) - 1
 
     def start(self) -> None:
+        self._count_stage()
         self._sync_mode()
 
     def stop(self) -> None:
@@ -178,16 +181,24 @@ class StepState:
         ends = self.layout.end_calls
         if self.stage < len(ends) and ends[self.stage] == (path, n):
             self.stage += 1
+            self._count_stage()
             self._sync_mode()
 
+    def _count_stage(self) -> None:
+        ops = self.layout.end_ops
+        self.ops_left = ops[self.stage] if self.stage < len(ops) else None
+
     def _sync_mode(self) -> None:
+        """Close the top scope when the stage leaves it; the dispatch mode on while a scope
+        records or a stage counts its ops (only here, never inside a dispatch)."""
         t = self.current
         if t is None or (self.top is not None and self.top.template is not _root(t)):
             self.close_top()
-        if t is not None and self.mode is None:
+        needed = t is not None or self.ops_left is not None
+        if needed and self.mode is None:
             self.mode = PlanMode(self)
             self.mode.__enter__()  # type: ignore[no-untyped-call]
-        elif t is None and self.mode is not None:
+        elif not needed and self.mode is not None:
             self.mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
             self.mode = None
 
@@ -217,10 +228,20 @@ class StepState:
 
     def run_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         t = self.current
-        if t is None:  # a hook left the mode on: nothing to record
-            return func(*args, **kwargs)
-        self.recorded_ops += 1
-        return self._record(self.scope_for(t), func, args, kwargs)
+        if t is None:  # a kept stage counting its ops, or a hook left the mode on
+            out = func(*args, **kwargs)
+        else:
+            self.recorded_ops += 1
+            out = self._record(self.scope_for(t), func, args, kwargs)
+        if self.ops_left is not None and is_counted(func):
+            self.ops_left -= 1
+            if self.ops_left == 0:  # an op boundary: the next stage begins with the next op
+                self.stage += 1
+                self._count_stage()
+                t = self.current
+                if t is None or (self.top is not None and self.top.template is not _root(t)):
+                    self.close_top()  # (the mode stays on until a hook or stop turns it off)
+        return out
 
     def _record(self, scope: Scope, func: Any, args: tuple[Any, ...],
                 kwargs: dict[str, Any]) -> Any:

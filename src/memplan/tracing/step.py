@@ -85,6 +85,15 @@ class StepResult:
     output_ids: tuple[int, ...]
     input_specs: list[dict[str, Any]]
     notes: tuple[str, ...] = ()  # assumptions the step was captured under (``datadep``)
+    alive_after_forward: frozenset[int] = frozenset()  # value ids (``save=False`` only)
+
+
+def _dropped(t: torch.Tensor) -> None:
+    return None
+
+
+def _never_unpacked(obj: None) -> torch.Tensor:
+    raise AssertionError("memplan: a forward run with save=False has no backward")
 
 
 @contextlib.contextmanager
@@ -110,13 +119,15 @@ def _fake_mode(simulate: bool) -> Iterator[FakeTensorMode | None]:
 
 
 def run_step(target: Target, *, simulate: bool, record: bool, device: str | None = None,
-             fast: bool = True) -> StepResult:
+             fast: bool = True, save: bool = True) -> StepResult:
     """One forward+loss+backward under a tracer. Fake tensors when ``simulate``; ops whose
     output depends on tensor data are then sized from one real forward (``datadep``).
     ``fast=False`` runs every op through the fake mode itself and builds a Workload on fake
-    tensors (the reference the fast path is tested against: the same Graph)."""
+    tensors (the reference the fast path is tested against: the same Graph). With
+    ``save=False``: forward and loss only, with autograd keeping nothing it would save (a
+    saved-tensor hook drops it), so each value dies when the user's code drops it."""
     if not simulate:
-        return _run_step(target, None, record, device, fast)
+        return _run_step(target, None, record, device, fast, save)
 
     def real() -> None:
         model, inputs = _materialise(target, device)
@@ -124,7 +135,7 @@ def run_step(target: Target, *, simulate: bool, record: bool, device: str | None
 
     try:
         result: StepResult = run_with_oracle(
-            lambda oracle: _run_step(target, oracle, record, device, fast), real)
+            lambda oracle: _run_step(target, oracle, record, device, fast, save), real)
         return result
     except MemplanError:
         raise
@@ -155,7 +166,7 @@ class _Step:
 
 
 def _run_step(target: Target, oracle: Oracle | None, record: bool, device: str | None,
-              fast: bool) -> StepResult:
+              fast: bool, save: bool) -> StepResult:
     simulate = oracle is not None
     meta_model = None
     if simulate and fast and target.workload is not None:
@@ -176,18 +187,25 @@ def _run_step(target: Target, oracle: Oracle | None, record: bool, device: str |
             tracer.register(b, g.BUFFER)
         for x in _tensors(step.inputs):
             tracer.register(x, g.INPUT)
+        drop = (contextlib.nullcontext() if save
+                else torch.autograd.graph.saved_tensors_hooks(_dropped, _never_unpacked))
+        alive: frozenset[int] = frozenset()
         with module_hooks(tracer, step.model) if record else contextlib.nullcontext(), tracer:
-            tracer.in_model = True
-            out = step.call(*step.inputs)
-            tracer.in_model = False
-            tracer.model_ops = len(tracer.ops)
-            loss = target.loss_fn(out)
+            with drop:
+                tracer.in_model = True
+                out = step.call(*step.inputs)
+                tracer.in_model = False
+                tracer.model_ops = len(tracer.ops)
+                loss = target.loss_fn(out)
             _check_loss(loss)
             tracer.end_forward()
             output_ids = tuple(
                 i for i in (tracer._lookup(t) for t in _tensors((out, loss))) if i is not None
             )
-            loss.backward()  # type: ignore[no-untyped-call]
+            if save:
+                loss.backward()  # type: ignore[no-untyped-call]
+            else:
+                alive = frozenset(v.id for v in tracer.values if v.death is None)
         param_list = list(step.params.values())
         for p in param_list:
             if p.grad is not None:
@@ -197,7 +215,8 @@ def _run_step(target: Target, oracle: Oracle | None, record: bool, device: str |
         del out, loss
         tracer.close()
         notes = oracle.notes() if oracle is not None else ()
-        return StepResult(tracer, param_list, output_ids, input_specs(step.inputs), notes)
+        return StepResult(tracer, param_list, output_ids, input_specs(step.inputs), notes,
+                          alive)
 
 
 def _prepare(target: Target, fake: FakeTensorMode | None, meta_model: nn.Module | None,

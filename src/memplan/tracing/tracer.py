@@ -50,6 +50,8 @@ class _OpRec:
     fwd_flops: int = 0
     bwd_flops: int = 0
     grad_of: int = -1
+    unpack_event: int = -1
+    release_event: int = -1
 
 
 _PRIM_DEVICE = torch.ops.prim.device.default
@@ -98,6 +100,7 @@ class StepTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self._flops: dict[tuple[Any, ...], int] = {}
         self._constants: list[torch.Tensor] = []  # fake copies of real tensors the step reads
         self._saved_names: dict[type, tuple[str, ...]] = {}
+        self.made: list[list[int]] = []  # per forward op: the storages it made (value ids)
 
     # --- storages ----------------------------------------------------------------------------
 
@@ -209,6 +212,8 @@ class StepTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
         for t in out_tensors:
             if t.untyped_storage()._cdata not in by_storage:
                 made.append(self.register(t, kind, producer))
+        if forward:
+            self.made.append(made)
         self._note_peak()
         if self.record:
             self._record(info, args, inputs, made, out_tensors, out)
@@ -332,8 +337,17 @@ class StepTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
         def prehook(grad_outputs: Any) -> None:
             self._grad_of = index
+            if index >= 0:
+                self.ops[index].unpack_event = self.event
+
+        def posthook(grad_inputs: Any, grad_outputs: Any) -> None:
+            # The engine releases what the node saved right after its post hooks, before it
+            # adds the node's outputs into other nodes' input buffers.
+            self.ops[index].release_event = self.event
 
         node.register_prehook(prehook)
+        if index >= 0:
+            node.register_hook(posthook)
 
     # --- module structure --------------------------------------------------------------------
 
@@ -346,8 +360,8 @@ class StepTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
     def module_post(self) -> None:
         path, start, children = self.module_stack.pop()
         depth = len(self.module_stack)
-        if children:  # leaf calls (a conv, a relu) are never stage boundaries
-            self.module_calls.append(g.ModuleCall(path, start, len(self.ops), depth))
+        if len(self.ops) > start:
+            self.module_calls.append(g.ModuleCall(path, start, len(self.ops), depth, not children))
 
     # --- phases ------------------------------------------------------------------------------
 
