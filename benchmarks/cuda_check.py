@@ -1,7 +1,7 @@
 """CUDA check (run on a GPU machine): exactness, allocator peak vs predicted peak, and step
 time of plans applied with memplan, for the benchmark models at paper-like sizes.
 
-    CUBLAS_WORKSPACE_CONFIG=:4096:8 python benchmarks/cuda_check.py [--out DIR]
+    CUBLAS_WORKSPACE_CONFIG=:4096:8 python benchmarks/cuda_check.py [--out DIR] [--models gpt]
 """
 
 from __future__ import annotations
@@ -40,6 +40,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="out/cuda")
     ap.add_argument("--repeat", type=int, default=10)
+    ap.add_argument("--models", nargs="*", default=None,
+                    help="only these models (default: all of CASES)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     torch.backends.cudnn.benchmark = False
@@ -48,6 +50,8 @@ def main() -> None:
     print("device:", torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
     rows = []
     for name, params in CASES:
+        if args.models and name not in args.models:
+            continue
         w = memplan.models.get(name, **params)
         t0 = time.perf_counter()
         graph = memplan.capture(w, device="cuda")

@@ -43,3 +43,101 @@ def unet_inputs() -> tuple[nn.Module, torch.Tensor]:
 
 def unet_loss(out: torch.Tensor) -> torch.Tensor:
     return out.square().mean()
+
+
+class RopeLayer(nn.Module):
+    """A pre-norm decoder layer reading rotary tables and a mask made once by its model."""
+
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.mlp = nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d),
+                                 nn.Dropout(0.1))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = (z.view(b, t, self.heads, -1).transpose(1, 2)
+                   for z in self.qkv(self.norm1(x)).split(d, dim=2))
+        q, k = (z * cos + torch.cat([-z[..., z.shape[-1] // 2:], z[..., : z.shape[-1] // 2]],
+                                    -1) * sin for z in (q, k))
+        scores = (q @ k.transpose(-1, -2)) / (d // self.heads) ** 0.5 + mask
+        y = F.dropout(scores.softmax(-1), 0.1, self.training) @ v
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
+        out: torch.Tensor = x + self.mlp(self.norm2(x))
+        return out
+
+
+class RopeDecoder(nn.Module):
+    """Like HF Llama: rotary cos/sin and a materialised attention mask made before the first
+    layer and read by every layer (shared values)."""
+
+    def __init__(self, layers: int = 4, d: int = 32, heads: int = 2, vocab: int = 64) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.layers = nn.ModuleList(RopeLayer(d, heads) for _ in range(layers))
+        self.norm, self.head = nn.LayerNorm(d), nn.Linear(d, vocab)
+        half = d // heads // 2
+        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(half) / half),
+                             persistent=False)
+
+    def forward(self, ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        t = ids.shape[1]
+        angles = torch.arange(t, dtype=torch.float32)[:, None] * self.inv_freq[None, :]
+        cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+        causal = torch.full((t, t), float("-inf")).triu(1)
+        mask = causal + (1.0 - attention_mask[:, None, None, :].float()) * -1e9
+        x = self.emb(ids)
+        for layer in self.layers:
+            x = layer(x, cos, sin, mask)
+        out: torch.Tensor = self.head(self.norm(x))
+        return out
+
+
+def rope_inputs() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    ids = torch.randint(0, 64, (2, 16))
+    mask = torch.ones(2, 16, dtype=torch.long)
+    mask[1, 12:] = 0
+    return RopeDecoder(), ids, mask
+
+
+def rope_loss(out: torch.Tensor) -> torch.Tensor:
+    return out.float().logsumexp(-1).mean()
+
+
+def flat_mlp(blocks: int = 8, d: int = 32, nested: bool = False) -> nn.Sequential:
+    """blocks x (Linear, BatchNorm1d, GELU, Dropout): in one flat Sequential, or one Sequential
+    per block (``nested``)."""
+    torch.manual_seed(0)
+    layers = [[nn.Linear(d, d), nn.BatchNorm1d(d), nn.GELU(), nn.Dropout(0.1)]
+              for _ in range(blocks)]
+    if nested:
+        return nn.Sequential(*[nn.Sequential(*b) for b in layers])
+    return nn.Sequential(*[m for b in layers for m in b])
+
+
+class FunctionalMLP(nn.Module):
+    """An MLP in functional code: parameters only, no submodules."""
+
+    def __init__(self, n: int = 6, d: int = 32) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.w = nn.ParameterList([nn.Parameter(torch.randn(d, d) / d**0.5) for _ in range(n)])
+        self.b = nn.ParameterList([nn.Parameter(torch.zeros(d)) for _ in range(n)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for w, b in zip(self.w, self.b):
+            x = F.dropout(F.gelu(F.layer_norm(x @ w + b, x.shape[-1:])), 0.1, self.training)
+        return x
+
+
+def mlp_input() -> torch.Tensor:
+    torch.manual_seed(1)
+    return torch.randn(64, 32)
+
+
+def square_loss(out: torch.Tensor) -> torch.Tensor:
+    return out.square().mean()

@@ -37,3 +37,41 @@ def raises() -> None:
 
 
 NOT_CALLABLE = 3
+
+
+def exits() -> None:
+    raise SystemExit(3)  # as sys.exit(3) in a user's script
+
+
+class _BrokenForward(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise ValueError("this forward is broken")
+
+
+def broken_forward() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    return _BrokenForward(), (torch.randn(2, 16),)
+
+
+# Rich markup and terminal escapes in module names: printed as they are, never obeyed.
+ODD_NAMES = ("[/red]", "[bold]b", "\x1b[2Jc")
+
+
+class _OddNames(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleDict({name: nn.Sequential(nn.Linear(16, 16), nn.ReLU())
+                                     for name in ODD_NAMES})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks.values():
+            x = block(x)
+        return x
+
+
+def odd_names() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    torch.manual_seed(0)
+    return _OddNames(), (torch.randn(4, 16),)

@@ -69,7 +69,11 @@ def test_plan_entry_point() -> None:
 def test_plan_entry_point_gives_ilp_the_graph() -> None:
     model, x = unet_inputs()
     plan = planning.plan(model, x, loss_fn=unet_loss, budget=0.8, planner="ilp")
-    assert plan.planner == "ilp" and len(plan.stages) == 9
+    # Given the Graph, ilp planned through every cut point (and may return the DP's plan on
+    # the clean chain when it is better: its notes say which).
+    n_cuts = len(tiny("unet").cut_points)
+    assert plan.planner == "ilp" and any(f"chain of {n_cuts} stages through all cut points" in n
+                                         for n in plan.notes)
     assert plan.peak_bytes <= int(0.8 * tiny("unet").peak_bytes)
     assert plan.forward is not None
 

@@ -14,6 +14,7 @@ from memplan.core import chain as C
 from memplan.core import graph as g
 from memplan.core import schedule as S
 from memplan.core.budget import parse_budget
+from memplan.core.fit import fit
 from memplan.core.plan import Plan
 from memplan.core.planners import PLANNERS
 from memplan.core.planners.ilp import ilp_chain
@@ -27,7 +28,6 @@ from memplan.tracing.timing import stage_times
 
 OBJECTIVES = ("flops", "time")
 TIME_PLANNERS = ("optimal", "ilp")  # the planners that minimise measured time
-GRAPH_PLANNERS = ("ilp",)  # given the Graph: they choose their own cut points
 
 
 def as_graph(obj: Any, *inputs: Any, loss_fn: LossFn | None = None,
@@ -55,7 +55,9 @@ def plan(w_or_model: Any, *inputs: Any, loss_fn: Any = None, budget: object = No
     ``loss_fn``), or an already captured Graph. ``objective='time'`` minimises the step time
     predicted from forward seconds per chain stage: ``stage_time_s`` when given, else measured
     on ``device`` (default CPU) by ``memplan.tracing.timing.stage_times`` (a Graph alone cannot be
-    run: pass stage_time_s with it). Raises BudgetTooSmall when nothing fits."""
+    run: pass stage_time_s with it). The plan's ``peak_bytes`` is its peak as the runtime runs
+    it (``memplan.core.evaluate``), never above the budget. Raises BudgetTooSmall when nothing
+    fits, naming the least peak each planner reaches."""
     if planner not in PLANNERS:
         raise bad_arg("planner", f"one of {sorted(PLANNERS)}", planner,
                       "Use planner='optimal' (the default).")
@@ -75,7 +77,7 @@ def plan(w_or_model: Any, *inputs: Any, loss_fn: Any = None, budget: object = No
             )
     graph = as_graph(w_or_model, *inputs, loss_fn=loss_fn, device=device)
     chain = C.build_chain(graph)
-    plain_peak = S.simulate(chain, S.plain_schedule(chain))[0]
+    plain_peak = graph.peak_bytes or S.simulate(chain, S.plain_schedule(chain))[0]
     budget_bytes = None if budget is None else parse_budget(budget, plain_peak)
     if objective == "time":
         if stage_time_s is None:
@@ -83,10 +85,12 @@ def plan(w_or_model: Any, *inputs: Any, loss_fn: Any = None, budget: object = No
                                        device=device or "cpu", chain=_planner_chain(
                                            planner, graph, chain, params))
         params["stage_time_s"] = stage_time_s
-    given: g.Graph | C.Chain = graph if planner in GRAPH_PLANNERS else chain
-    result = PLANNERS[planner](given, budget_bytes, **params)
-    # Bind the plan to the model's forward, so that apply() can check a model against it.
-    return dataclasses.replace(result, forward=graph.forward)
+    # Held to its peak as the runtime runs it (core.fit), re-planned or refused if over.
+    result = fit(graph, planner, budget_bytes, params, chain)
+    # Bind the plan to the model's forward, so that apply() can check a model against it, and
+    # say what the capture assumed.
+    assumed = graph.forward.assumptions if graph.forward else ()
+    return dataclasses.replace(result, forward=graph.forward, notes=result.notes + assumed)
 
 
 def _planner_chain(planner: str, graph: g.Graph, chain: C.Chain, params: dict[str, Any]

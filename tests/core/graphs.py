@@ -16,7 +16,7 @@ TINY = {
     "lstm": {"steps": 4, "batch": 2, "hidden": 32, "input": 8, "classes": 10},
     "gpt": {"layers": 2, "d_model": 32, "heads": 2, "seq_len": 16, "vocab": 100, "batch": 2},
 }
-NAMES = (*TINY, "unet", "calibration")
+NAMES = (*TINY, "unet", "calibration", "rope", "flat", "functional")
 
 
 @functools.cache
@@ -28,7 +28,16 @@ def tiny(name: str) -> Graph:
 def capture(name: str) -> Graph:
     """``name`` captured now (needs torch)."""
     import memplan
-    from tests.builders import unet_inputs, unet_loss
+    from tests.builders import (
+        FunctionalMLP,
+        flat_mlp,
+        mlp_input,
+        rope_inputs,
+        rope_loss,
+        square_loss,
+        unet_inputs,
+        unet_loss,
+    )
     from tests.runtime.test_plan_calibration import workload
 
     if name in TINY:
@@ -36,6 +45,13 @@ def capture(name: str) -> Graph:
     if name == "unet":
         model, x = unet_inputs()
         return memplan.capture(model, x, loss_fn=unet_loss)
+    if name == "rope":
+        model, ids, mask = rope_inputs()
+        return memplan.capture(model, ids, mask, loss_fn=rope_loss)
+    if name == "flat":
+        return memplan.capture(flat_mlp(), mlp_input(), loss_fn=square_loss)
+    if name == "functional":
+        return memplan.capture(FunctionalMLP(), mlp_input(), loss_fn=square_loss)
     return memplan.capture(workload())
 
 

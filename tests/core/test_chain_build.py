@@ -1,6 +1,7 @@
 """The vectorised ``build_chain`` (numpy over the Graph's arrays, for planning LSTM T=2048 in
 under a second) gives exactly the arrays of the per-value loops it replaced, kept below as the
-reference, on every test model, clean and not (a U-Net's long skips), and on arbitrary cuts."""
+reference (with resident values and Python-held live sets since issue 11), on every test model,
+clean and not (a U-Net's long skips), and on arbitrary cuts."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 
 from memplan.core import chain as C
 from memplan.core import graph as g
+from memplan.core import liveness as L
 from memplan.core.ops import is_expensive
 from tests.core.graphs import NAMES, tiny
 
@@ -16,12 +18,37 @@ ARRAYS = ("first", "last", "f", "b", "x", "xbar", "d", "xsac", "xsac_b", "fcheap
           "tb", "gb")
 
 
+def reference_resident(graph: g.Graph) -> tuple[set[int], list[set[int]], dict[int, int]]:
+    """Resident values, each cut's live set as the chain counts it, and when a resident value
+    leaves (the forward op it dies at when never saved and not shared; absent: never)."""
+    shared = L.shared_values(graph.values, graph.ops, graph.module_calls)
+    held = L.held_past_cuts(graph.values, graph.ops, [c.after for c in graph.cut_points])
+    calls = [i for i, c in enumerate(graph.cut_points) if c.kind == g.CALL]
+    resident = (set(shared) | set(L.skip_values(graph.values, graph.ops, graph.module_calls))
+                | {v for v, (a, b) in held.items() if sum(a <= i <= b for i in calls) >= 2})
+    live = [set(c.live) for c in graph.cut_points]
+    for v, (a, b) in held.items():
+        if v not in resident:
+            for i in range(a, b + 1):
+                live[i].add(v)
+    n_ops = len(graph.ops)
+    for v in graph.values:  # crossing two cuts, never saved
+        death = v.death
+        if sum(v.id in cut for cut in live) >= 2 and death is not None and death < n_ops:
+            resident.add(v.id)
+    live = [cut - resident for cut in live]
+    leaves = {v: graph.values[v].death for v in resident if v not in shared
+              and graph.values[v].death is not None and graph.values[v].death < n_ops}
+    return resident, live, leaves  # type: ignore[return-value]
+
+
 def reference_clean_cuts(graph: g.Graph) -> list[int]:
+    _, live, _ = reference_resident(graph)
     chosen: list[int] = []
     prev_after = -1
     last = len(graph.cut_points) - 1
     for i, cut in enumerate(graph.cut_points):
-        if i == last or all(graph.values[v].producer > prev_after for v in cut.live):
+        if i == last or all(graph.values[v].producer > prev_after for v in live[i]):
             chosen.append(i)
             prev_after = cut.after
     return chosen
@@ -31,6 +58,7 @@ def reference_clean_cuts(graph: g.Graph) -> list[int]:
 def reference_build_chain(graph: g.Graph, cuts: list[int] | None = None) -> C.Chain:
     """The per-value Python loops build_chain was before vectorising (kept verbatim)."""
     cut_idx = reference_clean_cuts(graph) if cuts is None else list(cuts)
+    resident, cut_live, leaves = reference_resident(graph)
     n_ops = len(graph.ops)
     afters = [graph.cut_points[i].after for i in cut_idx]
     k = len(afters)
@@ -56,11 +84,15 @@ def reference_build_chain(graph: g.Graph, cuts: list[int] | None = None) -> C.Ch
         if v.kind == g.ACTIVATION and v.producer >= 0:
             s = int(stage_of_op[v.producer])
             retained = v.death is None or v.death >= n_ops
-            if retained:
+            if retained and v.id not in resident:
                 kept[s] += v.nbytes
-            end = v.death if not retained and v.death is not None else last_fwd_use.get(v.id, v.birth)
+            unsaved = v.death_unsaved if v.death_unsaved is not None and (
+                v.death is None or v.death_unsaved < v.death) else -1
+            end = (v.death if not retained and v.death is not None
+                   else max(last_fwd_use.get(v.id, v.birth), unsaved))
             tf0_acc[s].append((v.birth, max(end, v.birth), v.nbytes))
-    x = np.array([graph.cut_points[i].live_bytes for i in cut_idx], dtype=np.int64)
+    x = np.array([sum(graph.values[v].nbytes for v in cut_live[i]) for i in cut_idx],
+                 dtype=np.int64)
     x_kept = np.zeros(k, dtype=np.int64)
     xsac = np.zeros(k, dtype=np.int64)
     xsac_b = np.zeros(k, dtype=np.int64)
@@ -74,12 +106,12 @@ def reference_build_chain(graph: g.Graph, cuts: list[int] | None = None) -> C.Ch
         f[s] += op.fwd_flops
         bfl[s] += op.bwd_flops
         if is_expensive(op.target):
-            expensive_out[s].update(op.outputs)
+            expensive_out[s].update(set(op.outputs) - resident)
         elif op.outputs:
             fcheap[s] += op.fwd_flops
             cheap[s].append(op.index)
     for s, ci in enumerate(cut_idx):
-        live = set(graph.cut_points[ci].live)
+        live = cut_live[ci]
         for vid in sorted(live):
             v = graph.values[vid]
             if v.death is None or v.death >= n_ops:
@@ -101,8 +133,11 @@ def reference_build_chain(graph: g.Graph, cuts: list[int] | None = None) -> C.Ch
     for s in range(k):
         lo, hi = firsts[s], afters[s]
         start = timeline[lo - 1] - died[lo - 1] if lo > 0 else timeline[0] - _born_at(graph, 0)
-        tf[s] = max(timeline[lo : hi + 1]) - start
-        tf0[s] = _span_peak(tf0_acc[s], lo, hi)
+        # resident values made before the stage and still there
+        there = sum(graph.values[v].nbytes for v in resident if graph.values[v].producer >= 0
+                    and graph.values[v].producer < lo and leaves.get(v, n_ops) >= lo)
+        tf[s] = max(timeline[lo : hi + 1]) - start + there
+        tf0[s] = _span_peak(tf0_acc[s], lo, hi) + there
     # Backward: group backward ops by the stage whose gradient they compute.
     n_b = len(graph.backward_ops)
     bstage = np.zeros(n_b, dtype=np.int64)

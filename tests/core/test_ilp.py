@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from memplan import errors
 from memplan.core import chain as C
+from memplan.core import liveness as L
 from memplan.core import schedule as S
 from memplan.core.graph import Graph
 from memplan.core.planners import PLANNERS
@@ -67,9 +68,19 @@ def unet_graph() -> Graph:
 
 def test_unet_long_skips_make_cuts_unclean() -> None:
     g = unet_graph()
-    assert len(g.cut_points) == 9 and C.clean_cuts(g) == [0, 6, 7, 8]
+    # Call cuts at each block's end; the full-resolution decoder gap (over a quarter of what
+    # the forward saves) also gets its leaf-call ends and op boundaries (liveness.fine_cuts).
+    kinds = [c.kind for c in g.cut_points]
+    assert kinds.count("call") == 9 and "leaf" in kinds and "op" in kinds
+    # The outer encoder outputs skip past several blocks: resident, they block no cut. The
+    # innermost (down.2's, read after mid) skips one block: the mid cut it crosses is not
+    # clean, nor are the fine cuts inside up.2 (its input is held by the caller meanwhile).
+    skips = L.skip_values(g.values, g.ops, g.module_calls)
+    assert sorted(g.ops[g.values[v].producer].module for v in skips) == ["down.0.5", "down.1.5"]
+    mid = next(i for i, c in enumerate(g.cut_points) if c.module == "mid")
+    assert C.clean_cuts(g) == [i for i, k in enumerate(kinds) if k == "call" and i != mid]
     fine = ilp_chain(g)
-    assert fine.n == 9 and C.build_chain(g).n == 4
+    assert fine.n == len(g.cut_points) and C.build_chain(g).n == len(C.clean_cuts(g))
     plain = S.simulate(fine, S.plain_schedule(fine))[0]
     assert plain == S.simulate(C.build_chain(g), S.plain_schedule(C.build_chain(g)))[0]
     assert plain == g.peak_bytes
@@ -80,16 +91,17 @@ def test_ilp_at_least_as_good_as_optimal_on_unet(fraction: float) -> None:
     g = unet_graph()
     budget = int(g.peak_bytes * fraction)
     plan = PLANNERS["ilp"](g, budget)
-    fine = ilp_chain(g)
-    S.validate(fine, plan.schedule)
-    assert S.simulate(fine, plan.schedule) == (plan.peak_bytes,
-                                                plan.extra_flops + int(fine.f.sum()))
+    fine, clean = ilp_chain(g), C.build_chain(g)
+    # The MILP's plan over every cut, or the dynamic program's over the clean chain when better
+    on = fine if [s.last_op for s in plan.stages] == fine.last.tolist() else clean
+    assert [s.last_op for s in plan.stages] == on.last.tolist()
+    S.validate(on, plan.schedule)
+    assert S.simulate(on, plan.schedule) == (plan.peak_bytes, plan.extra_flops + int(on.f.sum()))
     assert plan.peak_bytes <= budget and plan.planner == "ilp"
-    assert [s.last_op for s in plan.stages] == fine.last.tolist()
     try:
-        dp = PLANNERS["optimal"](g, budget)  # the clean chain: 4 stages
+        dp = PLANNERS["optimal"](g, budget)  # the clean chain
     except BudgetTooSmall:
-        assert fraction <= 0.85  # the clean chain cannot go below ~0.89 of plain
+        assert fraction <= 0.75  # the clean chain cannot go below ~0.72 of plain
         return
     assert plan.extra_flops <= dp.extra_flops
 

@@ -112,15 +112,7 @@ def _measured(w: Workload, model: nn.Module, simulate: bool) -> int:
     return memplan.measure(model, *w.build_inputs(), loss_fn=w.loss, simulate=simulate).peak_bytes
 
 
-# Known gap: a drop-cheap stage's backward is predicted at its plain backward's peak
-# transient, an upper bound; on the small GPT with dropout the runtime replays earlier and
-# measures 10.7% below the prediction (never above).
-_KNOWN_GAPS = {("gpt", "drop-cheap")}
-
-
-@pytest.mark.parametrize("name,planner", [
-    pytest.param(n, p, marks=pytest.mark.xfail(strict=True, reason="drop-cheap upper bound"))
-    if (n, p) in _KNOWN_GAPS else (n, p) for p in PLANNERS for n in MODELS])
+@pytest.mark.parametrize("name,planner", [(n, p) for p in PLANNERS for n in MODELS])
 def test_measured_peak_matches_prediction(name: str, planner: str) -> None:
     w = small(name, dropout=0.1)
     plan = _plan(name, planner)

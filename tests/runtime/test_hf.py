@@ -94,3 +94,30 @@ def test_transformers_did_not_bring_another_torch() -> None:
     check = subprocess.run([sys.executable, "-m", "pip", "check"], check=False,
                            capture_output=True, text=True, timeout=120)
     assert check.returncode == 0, check.stdout + check.stderr
+
+
+def _masked(kind: str) -> tuple[Any, tuple[Any, ...]]:
+    """A tiny model (4 layers) and its positional inputs with a padding attention mask."""
+    model = build(kind, "sdpa", layers=4)
+    data = batch(kind, size=2, seq=16)
+    mask = torch.ones_like(data["input_ids"])
+    mask[1, 12:] = 0
+    return model, positional(model, **data, attention_mask=mask)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "bert"])
+def test_hf_masked_plans_keep_their_peak(kind: str) -> None:
+    """With an attention mask (and Llama's rotary tables) read by every layer: the default
+    planner's least peak equals ilp's (the mask and tables used to make every layer boundary
+    unclean), and the planned step's real peak is the plan's, to the byte."""
+    model, example = _masked(kind)
+    graph = memplan.capture(model, *example, loss_fn=hf_loss)
+    least = memplan.plan(graph)
+    assert least.peak_bytes <= memplan.plan(graph, planner="ilp", time_limit_s=5).peak_bytes
+    plan = memplan.plan(graph, budget=(least.peak_bytes + graph.peak_bytes) // 2)
+    memplan.apply(model, plan)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        real = memplan.measure(model, *example, loss_fn=hf_loss, simulate=False,
+                               repeat=1).peak_bytes
+    assert real == plan.peak_bytes <= plan.budget_bytes < graph.peak_bytes

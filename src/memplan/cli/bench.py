@@ -9,10 +9,12 @@ from typing import TYPE_CHECKING, Any
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from memplan.cli.common import wide_console
+from memplan.cli.common import MAX_BATCH, MAX_REPEAT, check_folder, int_in, wide_console
 from memplan.core.budget import budget_from_text, parse_budget
 from memplan.core.planners import NAMES as PLANNER_NAMES
 from memplan.errors import bad_arg
+
+MAX_THREADS = 1024
 
 if TYPE_CHECKING:
     from memplan.analysis.bench import BenchConfig
@@ -43,11 +45,13 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--budget", help="budget of the non-sqrt plans: 6GiB, 7GB or a fraction "
                    "like 0.25 (default: the sqrt plan's peak)")
     p.add_argument("--planners", default="sqrt,optimal", help="comma-separated memplan planners")
-    p.add_argument("--batch", type=int, help="override the batch size")
-    p.add_argument("--repeat", type=int, default=3,
+    p.add_argument("--batch", type=int_in(1, MAX_BATCH, "--batch 8"),
+                   help="override the batch size")
+    p.add_argument("--repeat", type=int_in(1, MAX_REPEAT, "--repeat 3"), default=3,
                    help="timed rounds per real row (median; rounds go over all rows of a size)")
-    p.add_argument("--threads", type=int, help="CPU intra-op threads for real runs (torch's "
-                   "default otherwise; 1 is steadier on a busy machine)")
+    p.add_argument("--threads", type=int_in(1, MAX_THREADS, "--threads 1"),
+                   help="CPU intra-op threads for real runs (torch's default otherwise; 1 is "
+                   "steadier on a busy machine)")
     p.add_argument("--quick", action="store_true", help="tiny configs (a smoke test)")
     p.add_argument("--out", help="output folder (default out/bench/MODEL-MODE-DEVICE)")
     p.set_defaults(run=run)
@@ -67,23 +71,23 @@ def config(args: argparse.Namespace) -> BenchConfig:
     base, sizes = B.defaults(name, args.real, args.quick)
     base.update(split_spec(args.model)[1])
     if args.batch is not None:
-        if args.batch < 1:
-            raise bad_arg("--batch", "an integer >= 1", args.batch, "Use e.g. --batch 8.")
         base["batch"] = args.batch
     key, sizes = B.parse_sweep(name, args.sweep, sizes)
+    if len(set(sizes)) != len(sizes):
+        raise bad_arg("--sweep", "distinct sizes", args.sweep, "Name each size once.")
     base.pop(key, None)
-    models.get(name, **{**base, key: sizes[0]})  # checks the parameters before any work
+    for size in sizes:  # every size's parameters and step size, before any work
+        models.get(name, **{**base, key: size})
     B.check_bench_device(args.device, args.real)
-    planners = tuple(p.strip() for p in args.planners.split(",") if p.strip())
+    planners = tuple(p.strip() for p in args.planners.split(","))
     for p in planners:
         if p not in PLANNER_NAMES:
-            raise bad_arg("--planners", f"names from {sorted(PLANNER_NAMES)}", p,
-                          "Use e.g. --planners sqrt,optimal.")
-    if args.repeat < 1:
-        raise bad_arg("--repeat", "an integer >= 1", args.repeat, "Use e.g. --repeat 3.")
+            what = f"{p!r} is not one" if p else "a name is empty"
+            raise bad_arg("--planners", f"comma-separated names from {sorted(PLANNER_NAMES)}",
+                          args.planners, f"{what}; use e.g. --planners sqrt,optimal.")
+    if len(set(planners)) != len(planners):
+        raise bad_arg("--planners", "distinct names", args.planners, "Name each planner once.")
     if args.threads is not None:
-        if args.threads < 1:
-            raise bad_arg("--threads", "an integer >= 1", args.threads, "Use e.g. --threads 1.")
         torch.set_num_threads(args.threads)
     budgets: tuple[float, ...] = ()
     if args.compile:
@@ -98,8 +102,8 @@ def config(args: argparse.Namespace) -> BenchConfig:
         if not budgets or not all(0.0 < b <= 1.0 for b in budgets):
             raise bad_arg("--compile", "comma-separated floats in (0, 1]", args.compile,
                           "Write e.g. --compile 1,0.5,0.2.")
-    if args.budget is not None:
-        parse_budget(budget_from_text(args.budget), plain_peak_bytes=1)  # syntax check only
+    if args.budget is not None:  # syntax and range; fractions are resolved per size
+        parse_budget(budget_from_text(args.budget), plain_peak_bytes=1, arg="--budget")
     return B.BenchConfig(name, base, key, sizes, real=args.real, device=args.device,
                          peers=args.peers, compile_budgets=budgets, budget=args.budget,
                          planners=planners, repeat=args.repeat)
@@ -111,8 +115,7 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = config(args)
     out = Path(args.out) if args.out else B.default_out(cfg)
-    if out.exists() and not out.is_dir():
-        raise bad_arg("--out", "a folder", str(out), "Name a folder (it is created if missing).")
+    check_folder(out, "--out")
     console = wide_console()
     total = len(cfg.sizes) * B.method_count(cfg)
     start = time.perf_counter()
@@ -127,8 +130,13 @@ def run(args: argparse.Namespace) -> int:
 
     title = (f"{cfg.model} {cfg.mode} on {cfg.device if cfg.real else 'fake tensors'}: "
              f"{cfg.key} sweep, fixed {cfg.base or 'defaults'}")
-    paths = write_all(rows, out, "bench", title)
-    print(markdown(rows, title))
+    print(markdown(rows, title))  # first: the results are shown even if a write fails
+    try:
+        paths = write_all(rows, out, "bench", title)
+    except OSError as err:
+        raise bad_arg("--out", "a folder memplan can write", str(out),
+                      f"Writing the files failed ({err.strerror}); the table above has the "
+                      "results.") from None
     console.print(f"bench finished in {time.perf_counter() - start:.1f} s; wrote "
                   + ", ".join(str(p) for p in paths))
     return 0

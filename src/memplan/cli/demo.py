@@ -19,7 +19,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from memplan.cli.common import wide_console
+from memplan.cli.common import MAX_JOBS, check_folder, int_in, wide_console
 from memplan.core.budget import GB, format_bytes
 from memplan.errors import bad_arg
 
@@ -27,7 +27,8 @@ from memplan.errors import bad_arg
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("demo", help="the headline: ResNet-1000 and a long LSTM, plain vs "
                        "sqrt(n) vs memplan's best plan, and a real run")
-    p.add_argument("--jobs", type=int, default=2, help="worker processes (default 2)")
+    p.add_argument("--jobs", type=int_in(1, MAX_JOBS, "--jobs 2"), default=2,
+                   help="worker processes (default 2)")
     p.add_argument("--quick", action="store_true", help="tiny models (a smoke test)")
     p.add_argument("--out", default="out/demo", help="folder for the plots (out/demo)")
     p.set_defaults(run=run)
@@ -36,11 +37,11 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from memplan.analysis.demo import FULL, QUICK, plot, run_tasks
 
-    if args.jobs < 1:
-        raise bad_arg("--jobs", "an integer >= 1", args.jobs, "Use e.g. --jobs 2.")
+    out = Path(args.out)
+    check_folder(out, "--out")
     start = time.perf_counter()
     quick = args.quick
-    console = wide_console()
+    console = wide_console(markup=True)
     cfg = QUICK if quick else FULL
     rbase = cfg["resnet"][0]
     lbase, steps = cfg["lstm"]
@@ -55,8 +56,13 @@ def run(args: argparse.Namespace) -> int:
     real = res["real"]
     mark = {True: "[green]OK[/green]", False: "[red]FAILED[/red]", None: "skipped"}[real["ok"]]
     console.print(f"[bold]Real CPU step[/bold] ({mark}): {real['summary']}", markup=True)
-    png = plot(res["resnet"]["sweep"], Path(args.out))
-    console.print(f"\nPlot of ResNet memory vs depth: {png}")
+    try:
+        png = plot(res["resnet"]["sweep"], out)
+    except OSError as err:
+        raise bad_arg("--out", "a folder memplan can write", str(out),
+                      f"Writing the plot failed ({err.strerror}); the tables above have the "
+                      "results.") from None
+    console.print(f"\nPlot of ResNet memory vs depth: {png}", markup=False)
     console.print("Full reproduction of the paper's Fig. 5-7 (ours beside the paper's "
                   "numbers): memplan reproduce -> out/reproduce/; sweeps with peers: "
                   "memplan bench resnet --peers -> out/bench/")

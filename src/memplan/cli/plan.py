@@ -4,24 +4,34 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 from typing import Any
 
 from rich.table import Table
 
-from memplan.cli.common import MODEL_HELP, check_writable, wide_console
-from memplan.core.budget import budget_from_text, format_bytes
+from memplan.cli.common import (
+    MAX_BATCH,
+    MODEL_HELP,
+    check_writable,
+    int_in,
+    wide_console,
+    write_result,
+)
+from memplan.cli.progress import working
+from memplan.core.budget import budget_from_text, format_bytes, parse_budget
 from memplan.core.plan import Plan, Stage
+from memplan.core.plan_schema import printable
 from memplan.core.planners import NAMES as PLANNER_NAMES
+from memplan.errors import BudgetTooSmall, bad_arg
 
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("plan", help="plan what to keep and what to recompute under a budget")
     p.add_argument("model", metavar="MODEL", help=MODEL_HELP)
-    p.add_argument("--batch", type=int, help="override a built-in model's batch size")
+    p.add_argument("--batch", type=int_in(1, MAX_BATCH, "--batch 32"),
+                   help="override a built-in model's batch size")
     p.add_argument("--budget", help="peak budget: 6GiB, 7GB, bytes, or a fraction of the "
                    "plain peak like 0.25 (default: none; optimal then finds the least peak)")
-    p.add_argument("--planner", default="optimal",
+    p.add_argument("--planner", default="optimal", choices=sorted(PLANNER_NAMES),
                    help=f"one of {', '.join(sorted(PLANNER_NAMES))} (default optimal)")
     p.add_argument("--objective", default="flops", choices=("flops", "time"),
                    help="what the planner minimises: recomputed FLOPs (default) or predicted "
@@ -35,29 +45,53 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from memplan.api import TIME_PLANNERS
     from memplan.api import plan as make_plan
-    from memplan.cli.spec import resolve
+    from memplan.cli.spec import estimate, resolve
     from memplan.tracing.device import check_device
 
+    # Everything the user typed is checked before the work, each error naming its flag.
+    budget = budget_from_text(args.budget)
+    if budget is not None:
+        parse_budget(budget, plain_peak_bytes=1, arg="--budget")
+    if args.objective == "time" and args.planner not in TIME_PLANNERS:
+        raise bad_arg("--planner", f"one of {list(TIME_PLANNERS)} with --objective time",
+                      args.planner, "Use --planner optimal, or --objective flops.")
     if args.output is not None:
         check_writable(args.output, "-o")
     check_device(args.device, "--device")
     console = wide_console()
-    with console.status(f"capturing and planning {args.model} ..."):
-        target = resolve(args.model, args.batch)
-        obj, inputs, loss_fn = target.call_args()
-        start = time.perf_counter()
-        plan = make_plan(obj, *inputs, loss_fn=loss_fn, budget=budget_from_text(args.budget),
-                         planner=args.planner, objective=args.objective, device=args.device)
-        seconds = time.perf_counter() - start
+    target = resolve(args.model, args.batch)
+    obj, inputs, loss_fn = target.call_args()
+    start = time.perf_counter()
+    with working(console, f"capturing and planning {estimate(target)}"):
+        try:
+            plan = make_plan(obj, *inputs, loss_fn=loss_fn, budget=budget,
+                             planner=args.planner, objective=args.objective,
+                             device=args.device)
+        except BudgetTooSmall as err:
+            raise flag_worded(err) from err
+    seconds = time.perf_counter() - start
     console.print(stage_table(plan, target.label, args.all_stages))
     console.print(summary_lines(plan))
     console.print(f"  captured and planned in {seconds:.1f} s")
     if args.output is not None:
-        Path(args.output).write_text(plan.to_json())
+        write_result(args.output, plan.to_json(), "-o", "plan")
         console.print(f"  plan written to {args.output} (read it with: memplan explain "
                       f"{args.output})")
     return 0
+
+
+def flag_worded(err: BudgetTooSmall) -> BudgetTooSmall:
+    """The refusal with its fixes written as flags (the library's says planner='...')."""
+    other = (", or try --planner optimal (it reaches the lowest peaks)"
+             if err.planner != "optimal" else "")
+    return BudgetTooSmall(
+        err.budget_bytes, err.least_peak_bytes, err.planner,
+        f"--budget {format_bytes(err.budget_bytes)} ({err.budget_bytes:,} B) is below the least "
+        f"feasible peak {format_bytes(err.least_peak_bytes)} ({err.least_peak_bytes:,} B) of "
+        f"planner '{err.planner}'. Raise the budget: --budget {err.least_peak_bytes} or "
+        f"more{other}.")
 
 
 MAX_GROUPS = 40  # rows shown before the middle of a long table is elided
@@ -75,7 +109,7 @@ def groups(stages: tuple[Stage, ...], all_stages: bool) -> list[list[Stage]]:
 
 def stage_table(plan: Plan, label: str, all_stages: bool = False) -> Table:
     gs = groups(plan.stages, all_stages)
-    title = (f"{label}: plan '{plan.planner}', {len(plan.stages)} stages"
+    title = (f"{printable(label)}: plan {plan.planner!r}, {len(plan.stages)} stages"
              + ("" if all_stages else f" in {len(gs)} runs of the same mode (--all-stages: each)"))
     table = Table(title=title)
     for col, justify in (("stages", "right"), ("modules", "left"), ("mode", "left"),
@@ -97,7 +131,7 @@ def stage_table(plan: Plan, label: str, all_stages: bool = False) -> Table:
         cheap = "some (cheap ops)" if a.mode == "drop-cheap" else "0"
         table.add_row(
             str(a.index) if a is b else f"{a.index}..{b.index}",
-            a.module if a is b else f"{a.module} .. {b.module}",
+            printable(a.module if a is b else f"{a.module} .. {b.module}"),
             _mode_label(a.mode),
             str(a.mirror),
             format_bytes(sum(s.saved_bytes for s in grp)),

@@ -11,7 +11,7 @@ from typing import Any
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from memplan.cli.common import wide_console
+from memplan.cli.common import MAX_JOBS, MAX_REPEAT, check_folder, int_in, wide_console
 from memplan.errors import bad_arg
 
 
@@ -22,8 +22,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--quick", action="store_true", help="tiny models: seconds, not paper scale")
     p.add_argument("--least", action="store_true",
                    help="also the optimal planner's least-peak plan per size (~7 s each)")
-    p.add_argument("--jobs", type=int, default=2, help="worker processes for Fig. 5/6 (2)")
-    p.add_argument("--repeat", type=int, default=7,
+    p.add_argument("--jobs", type=int_in(1, MAX_JOBS, "--jobs 2"), default=2,
+                   help="worker processes for Fig. 5/6 (2)")
+    p.add_argument("--repeat", type=int_in(1, MAX_REPEAT, "--repeat 7"), default=7,
                    help="timed rounds per Fig. 7 row (median; the paper ran 20 batches)")
     p.add_argument("--out", default="out/reproduce", help="output folder (out/reproduce)")
     p.set_defaults(run=run)
@@ -44,12 +45,8 @@ def run(args: argparse.Namespace) -> int:
     from memplan.analysis import reproduce_report as R
 
     figs = parse_figs(args.figs)
-    if args.jobs < 1 or args.repeat < 1:
-        raise bad_arg("--jobs/--repeat", "integers >= 1", (args.jobs, args.repeat),
-                      "Use e.g. --jobs 2 --repeat 3.")
     out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise bad_arg("--out", "a folder", str(out), "Name a folder (it is created if missing).")
+    check_folder(out, "--out")
     console = wide_console()
     start = time.perf_counter()
     sweeps = [s for f, s in ((5, A.QUICK5 if args.quick else A.FIG5),
@@ -65,8 +62,13 @@ def run(args: argparse.Namespace) -> int:
 
         memory = A.memory_rows(sweeps, args.jobs, args.least, tick)
         timing = A.time_rows(fig7, args.repeat, tick)
-    paths = R.write(memory, timing, out, quick=args.quick)
-    print(R.markdown(memory, timing, quick=args.quick))
+    print(R.markdown(memory, timing, quick=args.quick))  # first: shown even if a write fails
+    try:
+        paths = R.write(memory, timing, out, quick=args.quick)
+    except OSError as err:
+        raise bad_arg("--out", "a folder memplan can write", str(out),
+                      f"Writing the files failed ({err.strerror}); the tables above have the "
+                      "results.") from None
     console.print(f"reproduce finished in {time.perf_counter() - start:.1f} s; wrote "
                   + ", ".join(str(p) for p in paths))
     return 0

@@ -19,6 +19,7 @@ from typing import Any
 
 from memplan import models
 from memplan.errors import ConfigError, MemplanError, bad_arg
+from memplan.models.size import step_size
 
 _FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 _EXAMPLES = "'resnet:depth=1000,batch=32', 'lstm:steps=1024' or 'mypkg.models:make'"
@@ -39,6 +40,15 @@ class ModelSpec:
         if self.workload is not None:
             return self.workload, (), None
         return self.model, self.inputs, self.loss_fn
+
+
+def estimate(target: ModelSpec) -> str:
+    """What a status line calls the model: a built-in's name and its estimated forward ops
+    (``memplan.models.size``), or the factory (its size is unknown until its forward runs)."""
+    if target.workload is None:
+        return target.label
+    size = step_size(target.workload.name, target.workload.params)
+    return f"{target.workload.name} (about {size.forward_ops:,} forward ops)"
 
 
 def parse_spec(spec: str, batch: int | None = None) -> models.Workload:
@@ -67,7 +77,11 @@ def split_spec(spec: str) -> tuple[str, dict[str, Any]]:
                 "MODEL", "comma-separated key=value pairs after ':'", item,
                 f"Write e.g. '{name}:{next(iter(models.defaults(name)))}=...'.",
             )
-        params[key.strip()] = _number(raw.strip())
+        key = key.strip()
+        if key in params:
+            raise bad_arg("MODEL", "each parameter once", spec,
+                          f"'{key}' is given twice: keep one {key}=... .")
+        params[key] = _number(raw.strip())
     return name, params
 
 
@@ -100,9 +114,9 @@ def _from_factory(spec: str, batch: int | None) -> ModelSpec:
         result = fn(**kwargs)
     except MemplanError:
         raise
-    except Exception as err:  # the user's code: report it in one line
+    except (Exception, SystemExit) as err:  # the user's code: report it in one line
         raise ConfigError(
-            f"MODEL: factory {spec} raised {type(err).__name__}: {err}. Fix the factory "
+            f"MODEL: factory {spec} raised {_what(err)}. Fix the factory "
             "(run it with --debug for the traceback)."
         ) from err
     return _check_result(spec, result)
@@ -121,9 +135,9 @@ def _import_callable(module_name: str, attr: str) -> Callable[..., Any]:
             f"No module named {err.name!r}: check the spelling, run from the directory that "
             "holds it, or install it.",
         ) from err
-    except Exception as err:
+    except (Exception, SystemExit) as err:
         raise ConfigError(
-            f"MODEL: importing {module_name} raised {type(err).__name__}: {err}. Fix the module "
+            f"MODEL: importing {module_name} raised {_what(err)}. Fix the module "
             "(run with --debug for the traceback)."
         ) from err
     finally:
@@ -142,6 +156,12 @@ def _import_callable(module_name: str, attr: str) -> Callable[..., Any]:
                       "Point at a function returning (model, example_inputs[, loss_fn]).")
     fn: Callable[..., Any] = obj
     return fn
+
+
+def _what(err: BaseException) -> str:
+    if isinstance(err, SystemExit):
+        return f"SystemExit (it called sys.exit({err.code!r}))"
+    return f"{type(err).__name__}: {err}"
 
 
 def _accepts(fn: Callable[..., Any], name: str) -> bool:

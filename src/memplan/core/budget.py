@@ -15,16 +15,32 @@ _ACCEPTED = ("an int of bytes (> 0), a string like '6GiB', '7GB' or '512MiB', "
 
 
 def budget_too_small(budget_bytes: int, least_peak_bytes: int, planner: str,
-                     hint: str | None = None) -> BudgetTooSmall:
-    """The refusal when nothing fits: the budget, the least feasible peak, and what to do."""
-    fix = hint if hint is not None else (
-        ", or try planner='optimal' (it reaches the lowest peaks)." if planner != "optimal"
-        else ".")
-    return BudgetTooSmall(
-        budget_bytes, least_peak_bytes, planner,
-        f"budget {format_bytes(budget_bytes)} ({budget_bytes:,} B) is below the least feasible "
-        f"peak {format_bytes(least_peak_bytes)} ({least_peak_bytes:,} B) of planner "
-        f"'{planner}'. Raise the budget to at least {least_peak_bytes:,} B{fix}")
+                     hint: str | None = None, least_peaks: dict[str, int] | None = None
+                     ) -> BudgetTooSmall:
+    """The refusal when nothing fits: the budget, the least feasible peak of ``planner``,
+    the least peak of each planner in ``least_peaks`` (when compared), and what to do: use
+    the planner that reaches the lowest peak, or raise the budget."""
+    text = (f"budget {format_bytes(budget_bytes)} ({budget_bytes:,} B) is below the least "
+            f"feasible peak {format_bytes(least_peak_bytes)} ({least_peak_bytes:,} B) of "
+            f"planner '{planner}'. ")
+    if least_peaks:
+        best = min(least_peaks, key=lambda k: (least_peaks[k], k != planner, k))
+        text += "Least peaks: " + ", ".join(
+            f"{k} {format_bytes(v)} ({v:,} B)" for k, v in sorted(
+                least_peaks.items(), key=lambda kv: (kv[1], kv[0]))) + ". "
+        low = least_peaks[best]
+        if best != planner and low < least_peak_bytes:
+            fit = "fits this budget" if low <= budget_bytes else f"needs at least {low:,} B"
+            text += (f"Use planner='{best}': it reaches {format_bytes(low)} ({fit})"
+                     + ("." if low <= budget_bytes else ", or raise the budget."))
+        else:
+            text += (f"Raise the budget to at least {least_peak_bytes:,} B ('{planner}' "
+                     "reaches the lowest peak).")
+    else:
+        text += (f"Raise the budget to at least {least_peak_bytes:,} B"
+                 + (hint if hint is not None else ", or compare the planners: memplan.plan("
+                    "model, ..., budget=...) names the least peak each reaches."))
+    return BudgetTooSmall(budget_bytes, least_peak_bytes, planner, text, least_peaks)
 
 
 _INT = re.compile(r"^\s*[0-9]+\s*$")
@@ -43,35 +59,46 @@ def budget_from_text(text: str | None) -> object:
     return text
 
 
-def parse_budget(budget: object, plain_peak_bytes: int | None = None) -> int:
-    """The budget in bytes. Fractions need ``plain_peak_bytes``."""
+MAX_BUDGET_BYTES = 2**63 - 1  # the chain's int64 bytes (8 EiB)
+
+
+def parse_budget(budget: object, plain_peak_bytes: int | None = None, arg: str = "budget") -> int:
+    """The budget in bytes. Fractions need ``plain_peak_bytes``. ``arg`` names the argument
+    in errors (``--budget`` on the command line, whose fixes are then written as flags)."""
+    flag = arg.startswith("-")
+
+    def example(text: str) -> str:
+        return f"{arg} {text}" if flag else f"{arg}='{text}'"
+
     if isinstance(budget, bool) or budget is None:
-        raise bad_arg("budget", _ACCEPTED, budget, "Pass e.g. budget='6GiB'.")
+        raise bad_arg(arg, _ACCEPTED, budget, f"Pass e.g. {example('6GiB')}.")
     if isinstance(budget, int):
-        if budget <= 0:
-            raise bad_arg("budget", _ACCEPTED, budget, "Pass a positive number of bytes.")
+        if not 0 < budget <= MAX_BUDGET_BYTES:
+            raise bad_arg(arg, _ACCEPTED + f", at most {MAX_BUDGET_BYTES:,} B", budget,
+                          f"Pass a positive number of bytes, e.g. {example('6GiB')}.")
         return budget
     if isinstance(budget, float):
         if not 0.0 < budget <= 1.0:
-            raise bad_arg("budget", _ACCEPTED, budget,
+            raise bad_arg(arg, _ACCEPTED, budget,
                           "A float is a fraction of the plain peak, e.g. 0.25; for bytes pass an "
-                          "int or a string like '6GiB'.")
+                          f"int or a size like {example('6GiB')}.")
         if plain_peak_bytes is None:
-            raise bad_arg("budget", "bytes or a size string here (no plain peak known)", budget,
-                          "Pass e.g. budget='6GiB'.")
+            raise bad_arg(arg, "bytes or a size string here (no plain peak known)", budget,
+                          f"Pass e.g. {example('6GiB')}.")
         return max(1, int(budget * plain_peak_bytes))
     if isinstance(budget, str):
         m = _PATTERN.match(budget)
         unit = m.group(2).lower() if m else ""
         if m is None or unit not in UNITS:
-            raise bad_arg("budget", _ACCEPTED, budget,
+            raise bad_arg(arg, _ACCEPTED, budget,
                           f"Use a number and one of the units {sorted(UNITS, key=lambda u: UNITS[u])}, "
-                          "e.g. '6GiB' (2**30 B) or '7GB' (10**9 B).")
-        value = int(float(m.group(1)) * UNITS[unit])
-        if value <= 0:
-            raise bad_arg("budget", _ACCEPTED, budget, "Pass a positive size.")
-        return value
-    raise bad_arg("budget", _ACCEPTED, type(budget).__name__, "Pass e.g. budget='6GiB'.")
+                          f"e.g. {example('6GiB')} (2**30 B) or {example('7GB')} (10**9 B).")
+        size = float(m.group(1)) * UNITS[unit]  # inf for '1e400': refused below
+        if not 1 <= size <= MAX_BUDGET_BYTES:
+            raise bad_arg(arg, f"a size from 1 B to {MAX_BUDGET_BYTES:,} B (8 EiB)", budget,
+                          f"Pass e.g. {example('6GiB')}.")
+        return int(size)
+    raise bad_arg(arg, _ACCEPTED, type(budget).__name__, f"Pass e.g. {example('6GiB')}.")
 
 
 def format_bytes(n: float) -> str:

@@ -27,6 +27,7 @@ import numpy as np
 import numpy.typing as npt
 
 from memplan.core import graph as g
+from memplan.core.liveness import held_past_cuts, shared_values, skip_values
 from memplan.core.ops import is_expensive
 
 I64 = npt.NDArray[np.int64]
@@ -61,6 +62,8 @@ class Chain:
     tfr: I64 | None = None  # a kept stage replayed in a region's backward (saves kept)
     tfr0: I64 | None = None  # a nested region's ops replayed inside its parent's replay
     tfs: I64 | None = None  # a drop-cheap stage's forward (cheap outputs not kept)
+    # How the runtime finds each stage's end (CutPoint.kind); () when all are "call".
+    kinds: tuple[str, ...] = ()
 
     @property
     def n(self) -> int:
@@ -89,7 +92,9 @@ class Chain:
 def clean_cuts(graph: g.Graph) -> list[int]:
     """Indices of the cut points usable as chain boundaries: each cut's live values must all
     be made after the previous chosen cut (a long skip makes a cut unusable: Sec. 4.3's chain
-    assumption; the ILP planner handles such graphs). The end of the forward is always one."""
+    assumption; the ILP planner handles such graphs). Shared values (``liveness.
+    shared_values``) do not count: they are resident anyway. The end of the forward is always
+    one."""
     ga = graph_arrays(graph)
     chosen: list[int] = []
     prev_after = -1
@@ -111,6 +116,7 @@ class GraphArrays:
     nbytes: I64  # per value
     birth: I64
     death: I64  # NO_DEATH when alive after the step
+    death_unsaved: I64  # the same had nothing been saved (Value.death_unsaved)
     producer: I64
     activation: npt.NDArray[np.bool_]
     last_fwd_use: I64  # last forward op reading or writing the value, -1 if none
@@ -127,8 +133,12 @@ class GraphArrays:
     base_bytes: int
     step_flops: int
     cut_after: I64
-    cut_bytes: I64
+    cut_bytes: I64  # a cut's live bytes as the chain counts them (``_resident``)
     cut_min_producer: I64  # earliest producer among a cut's live values (n_ops if none)
+    cut_of: I64  # (cut, value) pairs of those live sets
+    cut_live: I64
+    resident: npt.NDArray[np.bool_]  # per value: resident, no stage's bytes (``_resident``)
+    resident_end: I64  # a resident value's last forward op (NO_DEATH: into the backward)
 
 
 NO_DEATH = np.iinfo(np.int64).max
@@ -164,6 +174,9 @@ def _extract(graph: g.Graph) -> GraphArrays:
     nbytes, birth, producer = _ints(values, "nbytes"), _ints(values, "birth"), _ints(values, "producer")
     death = np.fromiter((NO_DEATH if d is None else d for d in map(attrgetter("death"), values)),
                         np.int64, len(values))
+    death_unsaved = np.minimum(death, np.fromiter(
+        (NO_DEATH if d is None else d for d in map(attrgetter("death_unsaved"), values)),
+        np.int64, len(values)))
     activation = np.fromiter((k == g.ACTIVATION for k in map(attrgetter("kind"), values)),
                              np.bool_, len(values))
     last_fwd_use = np.full(len(values), -1, dtype=np.int64)
@@ -187,19 +200,60 @@ def _extract(graph: g.Graph) -> GraphArrays:
     cum_died = np.concatenate(([0], np.cumsum(died[: n_events - 1]))) if n_events else died[:0]
     timeline = int(nbytes[pre].sum()) + np.cumsum(born[:n_events]) - cum_died
     fwd_flops, bwd_flops = _ints(ops, "fwd_flops"), _ints(ops, "bwd_flops")
-    cut_i, live = _flat(cuts, "live")
+    resident, resident_end, cut_i, live = _resident(graph, death)
     min_prod = np.full(len(cuts), n_ops, dtype=np.int64)
     np.minimum.at(min_prod, cut_i, producer[live])
+    cut_bytes = np.zeros(len(cuts), dtype=np.int64)
+    np.add.at(cut_bytes, cut_i, nbytes[live])
     return GraphArrays(
         fingerprint=graph.fingerprint, n_ops=n_ops, nbytes=nbytes, birth=birth, death=death,
+        death_unsaved=death_unsaved,
         producer=producer, activation=activation, last_fwd_use=last_fwd_use,
         fwd_flops=fwd_flops, bwd_flops=bwd_flops, expensive=expensive, has_outputs=has_outputs,
         out_op=out_op, out_vid=out_vid, grad_of=_ints(bops, "grad_of"), timeline=timeline,
         died=died, born0=int(born[0]), base_bytes=int(nbytes[pre].sum()),
         step_flops=int(fwd_flops.sum()) + int(_ints(bops, "fwd_flops").sum()),
-        cut_after=_ints(cuts, "after"), cut_bytes=_ints(cuts, "live_bytes"),
-        cut_min_producer=min_prod,
+        cut_after=_ints(cuts, "after"), cut_bytes=cut_bytes, cut_min_producer=min_prod,
+        cut_of=cut_i, cut_live=live, resident=resident, resident_end=resident_end,
     )
+
+
+def _resident(graph: g.Graph, death: I64) -> tuple[npt.NDArray[np.bool_], I64, I64, I64]:
+    """Which values are resident rather than a stage's bytes, until which forward op, and the
+    cut live sets the chain uses: (resident, resident_end, cut index, value) pairs.
+
+    Resident: shared values (``liveness.shared_values``), skips (``liveness.skip_values``: a
+    U-Net's encoder outputs), values the user's code holds past their last read across two or
+    more call cuts (``liveness.held_past_cuts``: a KV cache, a list of hidden states), and
+    values live across two or more cuts that autograd never saves (the user's code alone
+    decides when they die). They are counted like parameters from their creation (until they
+    die in the forward, for those never saved) and never decide where a boundary may go: no
+    plan shortens their lives by much (a region could drop a saved one it makes: counting it
+    is conservative). Other values held past their last read are live across the cuts they
+    are held across (a region ending there keeps them)."""
+    values, ops, cuts = graph.values, graph.ops, graph.cut_points
+    n_ops, nv = len(ops), len(values)
+    held = held_past_cuts(values, ops, [c.after for c in cuts])
+    calls_before = np.concatenate(([0], np.cumsum([c.kind == g.CALL for c in cuts])))
+    resident = np.zeros(nv, dtype=np.bool_)
+    shared = sorted(shared_values(values, ops, graph.module_calls))
+    resident[shared] = True
+    resident[sorted(skip_values(values, ops, graph.module_calls))] = True
+    resident[[v for v, (a, b) in held.items() if calls_before[b + 1] - calls_before[a] >= 2]] = True
+    saved_or_shared = death >= n_ops
+    saved_or_shared[shared] = True
+    resident_end = np.where(saved_or_shared, NO_DEATH, death)
+    cut_i, live = _flat(cuts, "live")
+    spans = [(v, a, b) for v, (a, b) in held.items() if not resident[v]]
+    if spans:
+        cut_i = np.concatenate((cut_i, np.concatenate([np.arange(a, b + 1) for _, a, b in spans])))
+        live = np.concatenate((live, np.concatenate([np.full(b - a + 1, v) for v, a, b in spans])))
+    pairs = np.unique(cut_i * nv + live)  # once each (outputs are both)
+    cut_i, live = pairs // nv, pairs % nv
+    crossings = np.bincount(live, minlength=nv)
+    resident |= (crossings >= 2) & (death < n_ops)
+    keep = ~resident[live]
+    return resident, resident_end, cut_i[keep], live[keep]
 
 
 def build_chain(graph: g.Graph, cuts: list[int] | None = None) -> Chain:
@@ -224,7 +278,7 @@ def build_chain(graph: g.Graph, cuts: list[int] | None = None) -> Chain:
         modules=tuple(graph.cut_points[int(i)].module for i in cut_idx), f=f, b=b, x=x,
         xbar=xbar, d=d, xsac=xsac, xsac_b=xsac_b, fcheap=fcheap, tf=tf, tf0=tf0, tb=tb, gb=gb,
         base_bytes=ga.base_bytes, step_flops=ga.step_flops, cheap_ops=cheap, tfr=tfr,
-        tfr0=tfr0, tfs=tfs,
+        tfr0=tfr0, tfs=tfs, kinds=tuple(graph.cut_points[int(i)].kind for i in cut_idx),
     )
 
 
@@ -259,14 +313,17 @@ def _stage_bytes(graph: g.Graph, ga: GraphArrays, st: _Stages, cut_idx: I64
     """x (a checkpoint's bytes), xbar (what a plain run keeps), d (the part of x nobody
     saves), xsac and xsac_b (what a drop-cheap stage keeps, and holds at its backward)."""
     nbytes, nv, k, retained = ga.nbytes, len(ga.nbytes), st.k, st.retained
-    kept = _exact_sum(st.v_stage, nbytes, st.made & retained, k)
+    own = st.made & ~ga.resident  # resident values are no stage's bytes
+    kept = _exact_sum(st.v_stage, nbytes, own & retained, k)
     # Cut live sets: x_kept, and which expensive outputs each stage's cut carries.
-    cut_of, live = _flat([graph.cut_points[int(i)] for i in cut_idx], "live")
-    pairs = np.unique(cut_of * nv + live)
+    position = np.full(len(ga.cut_after), -1, dtype=np.int64)
+    position[cut_idx] = np.arange(k)
+    chosen = position[ga.cut_of] >= 0
+    pairs = np.unique(position[ga.cut_of[chosen]] * nv + ga.cut_live[chosen])
     cut_of, live = pairs // nv, pairs % nv
     x = ga.cut_bytes[cut_idx]
     x_kept = _exact_sum(cut_of, nbytes[live], retained[live], k)
-    exp = ga.expensive[ga.out_op]
+    exp = ga.expensive[ga.out_op] & ~ga.resident[ga.out_vid]
     ex_pairs = np.unique(st.stage_of_op[ga.out_op[exp]] * nv + ga.out_vid[exp])
     ex_pairs = ex_pairs[~np.isin(ex_pairs, pairs)]
     ex_stage, ex_vid = ex_pairs // nv, ex_pairs % nv
@@ -303,7 +360,11 @@ def _forward_transients(ga: GraphArrays, st: _Stages) -> tuple[I64, I64, I64, I6
     start = np.where(firsts > 0, tl[np.maximum(firsts - 1, 0)] - died[np.maximum(firsts - 1, 0)],
                      tl[0] - ga.born0)
     tf = np.maximum.reduceat(tl[:span], firsts) - start
-    end = np.where(st.retained, np.where(ga.last_fwd_use >= 0, ga.last_fwd_use, ga.birth),
+    # Kept values die, when nothing is saved, as the user's code drops them (capture records
+    # it; graphs before schema 3: at their last forward use).
+    unsaved = np.where(ga.death_unsaved < ga.death, ga.death_unsaved, -1)
+    end = np.where(st.retained,
+                   np.maximum(np.where(ga.last_fwd_use >= 0, ga.last_fwd_use, ga.birth), unsaved),
                    ga.death)
     end = np.maximum(end, ga.birth)
     last_use = np.maximum(np.where(ga.last_fwd_use >= 0, ga.last_fwd_use, ga.birth), ga.birth)
@@ -315,7 +376,15 @@ def _forward_transients(ga: GraphArrays, st: _Stages) -> tuple[I64, I64, I64, I6
                      ga.n_ops)
         for end_ in (end, np.where(st.retained, stage_end, last_use), last_use,
                      np.where(exp_value, stage_end, end)))
-    return tf, tf0, tfr, tfr0, tfs
+    # Resident values made before a stage and not yet dead are there during it.
+    res = ga.resident & (ga.producer >= 0)
+    change = np.zeros(ga.n_ops + 2, dtype=np.int64)
+    np.add.at(change, ga.producer[res] + 1, ga.nbytes[res])
+    ends = ga.resident_end[res]
+    dies = ends < ga.n_ops
+    np.subtract.at(change, ends[dies] + 1, ga.nbytes[res][dies])
+    sh_in = np.cumsum(change)[firsts]
+    return tuple(a + sh_in for a in (tf, tf0, tfr, tfr0, tfs))  # type: ignore[return-value]
 
 
 def _backward_transients(ga: GraphArrays, st: _Stages, xbar: I64, d: I64) -> tuple[I64, I64]:

@@ -17,7 +17,9 @@ from typing import Any
 
 from memplan.errors import PlanInvalid
 
-SCHEMA_VERSION = 2  # 2: peak_bytes, forward_peak_bytes and forward as typed fields (1: meta)
+# 2: peak_bytes, forward_peak_bytes and forward as typed fields (1: meta); 3: Value.death_unsaved,
+# Op.unpack_event / release_event, CutPoint.kind (versions 1 and 2 load with conservative defaults)
+SCHEMA_VERSION = 3
 
 # Value kinds.
 PARAMETER = "parameter"
@@ -42,6 +44,9 @@ class Value:
     death: int | None
     shape: tuple[int, ...]
     dtype: str
+    # Its death had autograd saved nothing: when the user's code dropped its last reference
+    # (a recompute region's values die then). Graphs before schema 3: ``death``.
+    death_unsaved: int | None = None
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,10 @@ class Op:
     fwd_flops: int
     bwd_flops: int  # FLOPs of the backward ops autograd ran for this op (0 for backward ops)
     grad_of: int = -1  # backward ops: the forward op whose gradient they compute; -1 otherwise
+    # Forward ops: the events after which autograd ran this op's backward node (it unpacks
+    # what the op saved) and after which it released what the op saved; -1: no node ran.
+    unpack_event: int = -1
+    release_event: int = -1
 
 
 @dataclass(frozen=True)
@@ -74,16 +83,25 @@ class CutPoint:
     live_bytes: int
     module: str
     depth: int
+    # How it was found, and how the runtime finds it: "call" / "leaf", the end of a call of
+    # ``module`` with / without submodules (a forward hook on it); "op", after op ``after``
+    # of functional code (the runtime counts ops from the previous boundary).
+    kind: str = "call"
+
+
+CALL, LEAF, OP = "call", "leaf", "op"  # CutPoint kinds
 
 
 @dataclass(frozen=True)
 class ModuleCall:
-    """One module call, spanning forward ops ``start`` .. ``end`` - 1."""
+    """One module call, spanning forward ops ``start`` .. ``end`` - 1; ``leaf``: a module
+    without submodules (a Linear, a GELU)."""
 
     path: str
     start: int
     end: int
     depth: int
+    leaf: bool = False
 
 
 @dataclass(frozen=True)
@@ -95,16 +113,22 @@ class ForwardSpec:
     fingerprint: str  # forward_fingerprint() of their targets
     inputs: tuple[dict[str, Any], ...]  # example inputs: {shape, dtype, requires_grad}, {value}
     autocast: dict[str, str]  # device -> dtype where autocast was on: it changes the ops
+    # What the capture assumed (e.g. data-dependent sizes of the example batch); plans say it.
+    assumptions: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
-        return {"ops": self.ops, "fingerprint": self.fingerprint,
-                "inputs": [dict(s) for s in self.inputs], "autocast": dict(self.autocast)}
+        out = {"ops": self.ops, "fingerprint": self.fingerprint,
+               "inputs": [dict(s) for s in self.inputs], "autocast": dict(self.autocast)}
+        if self.assumptions:  # absent when none: older readers and stored graphs unchanged
+            out["assumptions"] = list(self.assumptions)
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ForwardSpec:
         return cls(int(data["ops"]), str(data["fingerprint"]),
                    tuple(dict(s) for s in data.get("inputs", [])),
-                   dict(data.get("autocast") or {}))
+                   dict(data.get("autocast") or {}),
+                   tuple(str(a) for a in data.get("assumptions", ())))
 
 
 @dataclass(frozen=True)
@@ -194,16 +218,16 @@ class Graph:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Graph:
         version = data.get("schema_version")
-        if version not in (1, SCHEMA_VERSION):
+        if version not in (1, 2, SCHEMA_VERSION):
             raise PlanInvalid(
                 f"graph schema_version {version!r} is not supported (this memplan reads "
-                f"versions 1 and {SCHEMA_VERSION}); capture the model again."
+                f"versions 1 to {SCHEMA_VERSION}); capture the model again."
             )
         typed = data.get("meta", {}) if version == 1 else data
         forward = typed.get("forward")
         return cls(
             name=data["name"],
-            values=tuple(Value(**{**v, "shape": tuple(v["shape"])}) for v in data["values"]),
+            values=tuple(_value(v) for v in data["values"]),
             ops=tuple(_op(o) for o in data["ops"]),
             backward_ops=tuple(_op(o) for o in data["backward_ops"]),
             cut_points=tuple(CutPoint(**{**c, "live": tuple(c["live"])}) for c in data["cut_points"]),
@@ -220,6 +244,10 @@ class Graph:
             f"ops, {len(self.cut_points)} cut points, params {self.param_bytes:,} B, saved "
             f"{self.saved_bytes:,} B, step {self.step_flops:,} FLOPs"
         )
+
+
+def _value(v: dict[str, Any]) -> Value:
+    return Value(**{"death_unsaved": v["death"], **v, "shape": tuple(v["shape"])})
 
 
 def _op(o: dict[str, Any]) -> Op:

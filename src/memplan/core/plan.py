@@ -13,9 +13,15 @@ from memplan.core import chain as C
 from memplan.core import schedule as S
 from memplan.core.budget import format_bytes
 from memplan.core.graph import ForwardSpec
+from memplan.core.plan_schema import (
+    KIND,
+    MAX_FILE_BYTES,
+    SCHEMA_VERSION,
+    check_plan,
+    printable,
+    stage_modes,
+)
 from memplan.errors import PlanInvalid, bad_arg
-
-SCHEMA_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -32,6 +38,7 @@ class Stage:
     saved_bytes: int  # what a plain run keeps for backward
     fwd_flops: int
     recompute_ops: tuple[int, ...] = ()  # drop-cheap: ops whose outputs are recomputed
+    boundary: str = "call"  # how the runtime finds its end (graph.CutPoint.kind)
 
 
 @dataclass(frozen=True)
@@ -65,30 +72,16 @@ class Plan:
         d["schedule"] = [S.to_dict(it) for it in self.schedule]
         d["notes"] = list(self.notes)
         d["forward"] = None if self.forward is None else self.forward.to_dict()
-        return {"schema_version": SCHEMA_VERSION, "kind": "memplan.Plan", **d}
+        return {"schema_version": SCHEMA_VERSION, "kind": KIND, **d}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True, indent=1)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Plan:
-        if not isinstance(data, dict):
-            raise PlanInvalid(f"a plan is a JSON object, got {type(data).__name__}; make the "
-                              "plan again with memplan.plan(...).")
-        if data.get("kind") != "memplan.Plan" or data.get("schema_version") != SCHEMA_VERSION:
-            raise PlanInvalid(
-                f"not a memplan plan of schema_version {SCHEMA_VERSION} (got kind="
-                f"{data.get('kind')!r}, schema_version={data.get('schema_version')!r}); "
-                "make the plan again with memplan.plan(...)."
-            )
-        try:
-            return cls._from_checked(data)
-        except (KeyError, TypeError, ValueError, AttributeError) as err:
-            raise PlanInvalid(f"not a valid memplan plan ({type(err).__name__}: {err}); make "
-                              "the plan again with memplan.plan(...).") from None
-
-    @classmethod
-    def _from_checked(cls, data: dict[str, Any]) -> Plan:
+        """A plan from its dict (``to_dict``), checked field by field first
+        (``memplan.core.plan_schema``): raises PlanInvalid, and only that, when malformed."""
+        check_plan(data)
         stages = tuple(Stage(**{**s, "recompute_ops": tuple(s["recompute_ops"])})
                        for s in data["stages"])
         return cls(
@@ -103,20 +96,31 @@ class Plan:
         )
 
     @classmethod
-    def from_json(cls, text: str) -> Plan:
+    def from_json(cls, text: str | bytes) -> Plan:
+        """A plan from its JSON text (``to_json``); PlanInvalid when malformed."""
+        if not isinstance(text, (str, bytes)):
+            raise PlanInvalid(f"a plan's JSON is text, got {type(text).__name__}; write plans "
+                              "with plan.to_json().")
+        if len(text) > MAX_FILE_BYTES:
+            raise PlanInvalid(f"the plan's JSON is {len(text):,} characters, more than the "
+                              f"{MAX_FILE_BYTES:,} a plan may have; write plans with "
+                              "plan.to_json().")
         try:
-            data = json.loads(text)
+            data = json.loads(text, object_pairs_hook=_unique_keys)
         except json.JSONDecodeError as err:
             raise PlanInvalid(f"the plan is not JSON ({err.msg} at line {err.lineno}); "
                               "write plans with plan.to_json().") from None
+        except (ValueError, RecursionError, UnicodeDecodeError) as err:
+            # duplicate keys, integers of over 4300 digits, nesting deeper than Python's stack
+            raise PlanInvalid(f"the plan is not valid plan JSON ({type(err).__name__}: "
+                              f"{str(err)[:200]}); write plans with plan.to_json().") from None
         return cls.from_dict(data)
-
 
     def explain(self) -> str:
         """What is kept, what is recomputed and why, for a person."""
         fwd = sum(s.fwd_flops for s in self.stages)
         lines = [
-            f"Plan by '{self.planner}' {self.params} for graph {self.graph_fingerprint}",
+            f"Plan by {self.planner!r} {self.params} for graph {printable(self.graph_fingerprint)}",
             f"  peak {format_bytes(self.peak_bytes)} (plain {format_bytes(self.plain_peak_bytes)}, "
             f"{self.plain_peak_bytes / max(self.peak_bytes, 1):.1f}x less)"
             + (f", budget {format_bytes(self.budget_bytes)}" if self.budget_bytes else ""),
@@ -127,12 +131,12 @@ class Plan:
         if self.predicted_time_s is not None:
             lines.append(f"  predicted step time {self.predicted_time_s:.3f} s")
         lines += _explain_items(self.schedule, self.stages, 1)
-        lines += [f"  note: {n}" for n in self.notes]
+        lines += [f"  note: {printable(n)}" for n in self.notes]
         return "\n".join(lines)
 
 
 def _span(stages: tuple[Stage, ...], a: int, b: int) -> str:
-    ma, mb = stages[a].module, stages[b].module
+    ma, mb = printable(stages[a].module), printable(stages[b].module)
     return f"stage {a} ({ma})" if a == b else f"stages {a}..{b} ({ma} .. {mb})"
 
 
@@ -174,23 +178,12 @@ def make_plan(chain: C.Chain, schedule: tuple[S.Item, ...], planner: str,
     """Evaluate a schedule on the chain model and wrap it as a Plan."""
     peak, flops = S.simulate(chain, schedule)
     plain_peak, plain_flops = S.simulate(chain, S.plain_schedule(chain))
-    mirror = [0] * chain.n
-    mode = ["keep"] * chain.n
-
-    def walk(items: tuple[S.Item, ...], depth: int) -> None:
-        for it in items:
-            if isinstance(it, S.Region):
-                for s in range(it.start, it.end + 1):
-                    mirror[s], mode[s] = max(mirror[s], depth + 1), "recompute"
-                walk(it.body, depth + 1)
-            elif isinstance(it, S.DropCheap):
-                mirror[it.stage], mode[it.stage] = max(mirror[it.stage], 1), "drop-cheap"
-
-    walk(schedule, 0)
+    mirror, mode = stage_modes(chain.n, schedule)
     stages = tuple(
         Stage(s, int(chain.first[s]), int(chain.last[s]), chain.modules[s], mirror[s], mode[s],
               int(chain.xbar[s]), int(chain.f[s]),
-              chain.cheap_ops[s] if mode[s] == "drop-cheap" and chain.cheap_ops else ())
+              chain.cheap_ops[s] if mode[s] == "drop-cheap" and chain.cheap_ops else (),
+              chain.kinds[s] if chain.kinds else "call")
         for s in range(chain.n)
     )
     time_s = None
@@ -221,18 +214,42 @@ def _predicted_time(chain: C.Chain, schedule: tuple[S.Item, ...], stage_time_s: 
 
 def load_plan(path: str | os.PathLike[str], arg: str = "plan") -> Plan:
     """A plan from its JSON file (``memplan plan -o``, ``plan.to_json()``); ``arg`` names the
-    argument that gave the path in errors."""
+    argument that gave the path in errors. Reads at most MAX_FILE_BYTES, from regular files
+    only (a device or a pipe could be endless)."""
     fix = "Make one with memplan.plan(...).to_json() or: memplan plan MODEL -o plan.json"
-    p = Path(path)
-    if not p.exists():
-        raise bad_arg(arg, "the path of an existing plan JSON file", str(path), f"No such file. {fix}")
-    if p.is_dir():
-        raise bad_arg(arg, "a plan file, not a directory", str(path), fix)
+    shown = printable(str(path))
     try:
-        text = p.read_text()
-    except (OSError, UnicodeDecodeError) as err:
-        raise bad_arg(arg, "a readable plan file", str(path), f"{err}. {fix}") from None
+        p = Path(path)
+        exists, is_dir, is_file = p.exists(), p.is_dir(), p.is_file()
+    except (OSError, TypeError, ValueError) as err:  # a name too long, a NUL byte, not a path
+        raise bad_arg(arg, "the path of a plan JSON file", shown, f"{err}. {fix}") from None
+    if not exists:
+        raise bad_arg(arg, "the path of an existing plan JSON file", shown, f"No such file. {fix}")
+    if is_dir:
+        raise bad_arg(arg, "a plan file, not a directory", shown, fix)
+    if not is_file:
+        raise bad_arg(arg, "a regular plan file (not a device, pipe or socket)", shown, fix)
     try:
-        return Plan.from_json(text)
+        with p.open("rb") as f:
+            data = f.read(MAX_FILE_BYTES + 1)
+    except OSError as err:
+        raise bad_arg(arg, "a readable plan file", shown, f"{err.strerror}. {fix}") from None
+    if len(data) > MAX_FILE_BYTES:
+        raise PlanInvalid(f"{arg} {shown}: larger than {MAX_FILE_BYTES:,} bytes, the most a "
+                          f"plan file may have; is it a plan? {fix}.")
+    try:
+        return Plan.from_json(data.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise PlanInvalid(f"{arg} {shown}: not UTF-8 text, so not a plan file. {fix}.") from None
     except PlanInvalid as err:
-        raise PlanInvalid(f"{arg} {path}: {err}") from None
+        raise PlanInvalid(f"{arg} {shown}: {err}") from None
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose keys are unique (json.loads would keep the last of repeated keys)."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"the key {key!r} appears twice in one object")
+        out[key] = value
+    return out

@@ -19,6 +19,7 @@ from memplan.errors import bad_arg
 from memplan.models.gpt import GPT
 from memplan.models.lstm import LSTM
 from memplan.models.resnet import ResNet
+from memplan.models.size import check_size, resnet_final_size
 
 __all__ = ["Workload", "defaults", "get", "names"]
 
@@ -144,6 +145,9 @@ _BUILDERS: dict[str, Callable[[dict[str, Any]], Workload]] = {
 }
 
 
+MAX_SEED = 2**63 - 2  # torch seeds are 64-bit; the inputs' generator takes seed + 1
+
+
 def names() -> list[str]:
     """Built-in workload names."""
     return sorted(_BUILDERS)
@@ -161,7 +165,9 @@ def _check_name(name: str) -> None:
 
 
 def get(name: str, **params: Any) -> Workload:
-    """A lazy workload: ``get("resnet", depth=1000, batch=32)``. Nothing is built yet."""
+    """A lazy workload: ``get("resnet", depth=1000, batch=32)``. Nothing is built yet, but the
+    parameters are checked now: types, ranges, the model's constraints, and the step's size
+    (``memplan.models.size``: absurd sizes are refused with the estimate)."""
     _check_name(name)
     merged = dict(_DEFAULTS[name])
     for key, value in params.items():
@@ -171,13 +177,32 @@ def get(name: str, **params: Any) -> Workload:
                 f"Drop '{key}' or use one of the listed parameters.",
             )
         want = type(merged[key])
-        if want is float and isinstance(value, int):
+        if want is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
         if not isinstance(value, want) or isinstance(value, bool):
-            raise bad_arg(f"{name}.{key}", want.__name__, value, f"Pass {key} as a {want.__name__}.")
+            kind = "an int" if want is int else f"a {want.__name__}"
+            raise bad_arg(f"{name}.{key}", kind, value, f"Pass {key} as {kind}.")
+        if key == "seed" and not 0 <= value <= MAX_SEED:
+            raise bad_arg(f"{name}.seed", f"an integer in [0, {MAX_SEED}]", value,
+                          "Use e.g. seed=0.")
         if want is int and value < 1 and key != "seed":
             raise bad_arg(f"{name}.{key}", "an integer >= 1", value, f"Use a positive {key}.")
         if key == "dropout" and not 0.0 <= value < 1.0:
             raise bad_arg(f"{name}.dropout", "a float in [0, 1)", value, "Use e.g. dropout=0.1.")
         merged[key] = value
+    _check_constraints(name, merged)
+    check_size(name, merged, params)
     return _BUILDERS[name](merged)
+
+
+def _check_constraints(name: str, p: dict[str, Any]) -> None:
+    """What each model needs of its parameters beyond their ranges, checked before building."""
+    if name == "gpt" and p["d_model"] % p["heads"]:
+        raise bad_arg("gpt.d_model", f"a multiple of heads={p['heads']}", p["d_model"],
+                      "Pick d_model and heads with d_model % heads == 0, e.g. 256 and 4.")
+    if name == "resnet" and p["batch"] * resnet_final_size(p["image"]) ** 2 < 2:
+        # BatchNorm in training needs two values per channel; the last stage's map is
+        # image/32 on a side.
+        raise bad_arg("resnet.image", "at least 33 with batch=1 (BatchNorm needs more than one "
+                      "value per channel in the last stage, whose side is image/32)", p["image"],
+                      "Use e.g. image=224, or batch >= 2.")

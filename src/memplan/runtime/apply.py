@@ -25,7 +25,7 @@ from memplan.core import graph as g
 from memplan.core.budget import format_bytes
 from memplan.core.graph import ForwardSpec
 from memplan.core.plan import Plan, load_plan
-from memplan.errors import ConfigError, PlanMismatch, bad_arg
+from memplan.errors import ConfigError, MemplanError, PlanMismatch, bad_arg
 from memplan.runtime import record as R
 from memplan.runtime.layout import Layout, layout
 from memplan.runtime.probe import FakeForward, probe
@@ -353,7 +353,7 @@ def _check(model: nn.Module, plan: Plan, forward: ForwardSpec, inputs: tuple[Any
            "loss_fn=..., budget=...).")
     try:
         fake = probe(model, inputs, forward.inputs, forward.autocast, watch)
-    except PlanMismatch:
+    except MemplanError:  # a mismatch, or data-dependent ops it could not size
         raise
     except Exception as err:  # the user's forward failed on the plan's inputs
         first = (str(err).strip().splitlines() or [""])[0][:300]

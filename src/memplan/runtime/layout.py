@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from memplan.core import schedule as S
+from memplan.core.graph import OP
 from memplan.core.plan import Plan, Stage
 from memplan.errors import PlanMismatch
 from memplan.runtime import units as U
@@ -27,11 +28,14 @@ class Layout:
 
     template_of_stage: list[Template | None]  # the innermost recompute scope of each stage
     # Stage s ends when the end_calls[s][1]-th call of module end_calls[s][0] returns (None:
-    # the end of the forward). Module calls, not op counts, mark boundaries at run time, so
-    # kept stages run with no dispatch mode at all.
+    # the end of the forward, or an op boundary). Module calls mark boundaries at run time, so
+    # kept stages run with no dispatch mode at all...
     end_calls: list[tuple[str, int] | None]
     templates: list[Template]
     units: dict[str, frozenset[int]] = field(default_factory=dict)  # path -> call numbers
+    # ...except a stage that ends after an op of functional code (a plan through an op-level
+    # cut point): it ends when end_ops[s] ops have run in it (counted as capture counts them).
+    end_ops: list[int | None] = field(default_factory=list)
 
     @property
     def boundary_modules(self) -> tuple[str, ...]:
@@ -69,9 +73,12 @@ def layout(plan: Plan, n_ops: int, call_ends: dict[str, list[int]],
 
     walk(plan.schedule, None)
     end_calls: list[tuple[str, int] | None] = []
+    end_ops: list[int | None] = []
     for st in stages:
-        if st.last_op >= n_ops - 1:
-            end_calls.append(None)  # the forward's own end
+        end_ops.append(st.last_op - st.first_op + 1 if st.boundary == OP and
+                       st.last_op < n_ops - 1 else None)
+        if st.last_op >= n_ops - 1 or st.boundary == OP:
+            end_calls.append(None)  # the forward's own end, or an op boundary
             continue
         ends = call_ends.get(st.module, [])
         if st.last_op + 1 not in ends:
@@ -85,18 +92,22 @@ def layout(plan: Plan, n_ops: int, call_ends: dict[str, list[int]],
     units: dict[str, frozenset[int]] = {}
     if calls and values is not None:
         units = U.choose(_flat_regions(stages, scope, templates), calls, values)
-    return Layout(scope, end_calls, templates, units)
+    return Layout(scope, end_calls, templates, units, end_ops)
 
 
 def _flat_regions(stages: list[Stage], scope: list[Template | None], templates: list[Template]
                   ) -> list[tuple[int, int]]:
-    """(first op, last op) of each top-level region with no scope nested in it. A nested
-    scope's entries are also replayed by its parent, for outputs only, with nothing saved:
-    there a re-run call would keep what the plan's model frees."""
+    """(first op, last op) of each top-level region with no scope nested in it (nor an
+    op-level boundary). A nested scope's entries are also replayed by its parent, for outputs
+    only, with nothing saved: there a re-run call would keep what the plan's model frees."""
     nested = {t.parent.index for t in templates if t.parent is not None}
+    # A region with an op-level boundary counts its ops through the dispatch mode, which a
+    # unit turns off: no units there.
+    counted = {t.index for st, t in zip(stages, scope) if t is not None and st.boundary == OP}
     spans: dict[int, tuple[int, int]] = {}
     for st, t in zip(stages, scope):
-        if t is None or t.kind != "region" or t.parent is not None or t.index in nested:
+        if (t is None or t.kind != "region" or t.parent is not None or t.index in nested
+                or t.index in counted):
             continue
         lo, _ = spans.get(t.index, (st.first_op, st.last_op))
         spans[t.index] = (lo, st.last_op)

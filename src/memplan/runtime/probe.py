@@ -19,9 +19,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from memplan.runtime import units as U
 from memplan.runtime.tape import WRITE_ONLY, tensors, written_tensors
-from memplan.tracing.fake import fake_forward
+from memplan.tracing.datadep import Oracle, run_with_oracle
+from memplan.tracing.fake import fake_forward, model_device, real_forward, spec_args
+from memplan.tracing.opinfo import is_counted
 from memplan.tracing.step import no_cyclic_gc
-from memplan.tracing.tracer import is_counted
 
 
 @dataclass
@@ -37,9 +38,23 @@ class FakeForward:
 def probe(model: nn.Module, inputs: Sequence[Any] | None, specs: Sequence[dict[str, Any]] = (),
           autocast: dict[str, str] | None = None, watch: Sequence[str] = ()) -> FakeForward:
     """Run the forward on fake tensors (from ``inputs``, or the plan's input ``specs``) and
-    watch it. Exceptions of the model's own code propagate."""
+    watch it; data-dependent ops sized from one real forward, as capture sizes them
+    (``datadep``). Exceptions of the model's own code propagate."""
+
+    def real() -> None:
+        args = inputs if inputs is not None else spec_args(specs, model_device(model))
+        real_forward(model, args, autocast=autocast)
+
+    result: FakeForward = run_with_oracle(
+        lambda oracle: _probe(model, inputs, specs, autocast, watch, oracle), real)
+    return result
+
+
+def _probe(model: nn.Module, inputs: Sequence[Any] | None, specs: Sequence[dict[str, Any]],
+           autocast: dict[str, str] | None, watch: Sequence[str], oracle: Oracle
+           ) -> FakeForward:
     names = {id(m): path for path, m in model.named_modules()}
-    counter = _Count()
+    counter = _Count(oracle)
     call_ends: dict[str, list[int]] = {path: [] for path in watch}
     open_calls: list[tuple[str, int, int]] = []
     numbers: dict[str, int] = {}
@@ -99,8 +114,9 @@ class _Count(TorchDispatchMode):  # type: ignore[no-untyped-call]
     tensor it writes (parameters, buffers, inputs: -1; BatchNorm statistics ignored); for
     each storage an op makes, when it was made, last read and freed (in op counts)."""
 
-    def __init__(self) -> None:
+    def __init__(self, oracle: Oracle) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
+        self.oracle = oracle
         self.targets: list[str] = []
         self.outside: list[int] = []
         self.values: list[list[int]] = []  # [made, last read, freed (-1: alive), bytes]
@@ -110,9 +126,9 @@ class _Count(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
         if not is_counted(func):
-            return out
+            return func(*args, **kwargs)
+        out = self.oracle.call(func, args, kwargs)
         index = len(self.targets)
         self.targets.append(str(func))
         for t in tensors((args, kwargs)):

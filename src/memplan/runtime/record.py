@@ -64,8 +64,9 @@ from memplan.runtime.tape import (
     storage_key,
     tensor_leaves,
     tensors,
-    written_ids,
+    written_tensors,
 )
+from memplan.tracing.opinfo import is_counted
 
 _EXPENSIVE: dict[Any, bool] = {}
 
@@ -105,6 +106,8 @@ class StepState:
         self.units_run = 0
         self.mode: PlanMode | None = None
         self.hooked = False
+        self.ops_left: int | None = None  # ops until the current stage's op boundary
+        self.resync = False  # an op boundary passed inside a dispatch: hooks to set next op
 
     @property
     def current(self) -> Template | None:
@@ -116,6 +119,7 @@ class StepState:
         return self.stage >= len(self.layout.end_calls) - 1
 
     def start(self) -> None:
+        self._count_stage()
         self._sync()
 
     def stop(self) -> None:
@@ -132,17 +136,30 @@ class StepState:
         self.calls[path] = n
         ends = self.layout.end_calls
         if self.stage < len(ends) and ends[self.stage] == (path, n):
-            self.stage += 1
-            stages = self.layout.template_of_stage
-            self.template = stages[self.stage] if self.stage < len(stages) else None
+            self._next_stage()
             if self.unit is None:  # inside a unit, its scope goes on to the unit's end
                 self._sync()
 
+    def _next_stage(self) -> None:
+        self.stage += 1
+        stages = self.layout.template_of_stage
+        self.template = stages[self.stage] if self.stage < len(stages) else None
+        self._count_stage()
+
+    def _count_stage(self) -> None:
+        ops = self.layout.end_ops
+        self.ops_left = ops[self.stage] if self.stage < len(ops) else None
+
     def _sync(self) -> None:
+        """Close the top scope when the stage leaves it; saved-tensor hooks while a scope is
+        current; the dispatch mode while a scope records outside units or a stage counts its
+        ops (only here, never inside a dispatch)."""
         t = self.template
         if t is None or (self.top is not None and self.top.template is not _root(t)):
             self.close_top()
-        self._set(t is not None, t is not None and self.unit is None)
+        self.resync = False
+        self._set(t is not None, (t is not None and self.unit is None)
+                  or self.ops_left is not None)
 
     def _set(self, hooked: bool, moded: bool) -> None:
         if not moded and self.mode is not None:
@@ -241,17 +258,45 @@ class StepState:
     # the dispatch side
 
     def run_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if self.resync:  # the stage after an op boundary: its hooks from its first op on
+            self.resync = False
+            self._set(self.template is not None, True)
         t = self.template
-        if t is None:  # a hook left the mode on: nothing to record
-            return func(*args, **kwargs)
-        self.recorded_ops += 1
-        return self._record(self.scope_for(t), func, args, kwargs)
+        if t is None or self.unit is not None:  # a kept stage counting its ops
+            out = func(*args, **kwargs)
+        else:
+            self.recorded_ops += 1
+            out = self._record(self.scope_for(t), func, args, kwargs)
+        if self.ops_left is not None and is_counted(func):
+            self.ops_left -= 1
+            if self.ops_left == 0:
+                self._op_boundary()
+        return out
+
+    def _op_boundary(self) -> None:
+        """The stage's last op ran (an op-level cut): the next stage begins with the next op.
+        Inside this dispatch autograd has yet to save this op's outputs: when the next stage
+        leaves the scope, they are saved natively (hooks off now; they are the stage's
+        outputs, kept); the next op sets the next stage's hooks. The mode stays on until a
+        module hook or the forward's end turns it off."""
+        before = self.template
+        self._next_stage()
+        t = self.template
+        if t is None or (self.top is not None and self.top.template is not _root(t)):
+            self.close_top()
+            self._set(False, True)
+            self.resync = t is not None
+        elif before is None and t is not None:
+            self.resync = True
 
     def _record(self, scope: Scope, func: Any, args: tuple[Any, ...],
                 kwargs: dict[str, Any]) -> Any:
         tape = scope.tape
         e = len(tape.entries)
-        written = written_ids(func, args, kwargs)
+        writes = written_tensors(func, args, kwargs)
+        written = {id(t): mode for t, mode in writes}
+        if writes and tape.outside:
+            tape.keep_before_write([t for t, _ in writes])
         flat, spec = flatten_args(args, kwargs)
         leaves: list[Any] = []
         refs: list[Pos] = []
@@ -274,6 +319,8 @@ class StepState:
                 leaves.append(Ext(snap, -1, SNAPSHOT))
             else:
                 leaves.append(Ext(leaf, leaf._version, mode))
+                if mode == READ:
+                    tape.note_outside(leaf)
         out = func(*args, **kwargs)
         expensive = _EXPENSIVE.get(func)
         if expensive is None:

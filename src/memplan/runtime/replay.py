@@ -162,7 +162,7 @@ def _ext_value(leaf: Ext, tape: Tape, what: str) -> torch.Tensor:
         return t
     snap = tape.snaps.get((storage_key(t), leaf.version))
     if snap is not None:
-        return snap
+        return snap.clone()  # the replay may write it through a view, as the forward did
     raise ReplayError(
         f"memplan: {tape.namer(t)}, read by {what} in a recomputed part of the forward, was "
         f"changed in place afterwards (version {leaf.version} then, {t._version} now), so "

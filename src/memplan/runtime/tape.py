@@ -160,6 +160,9 @@ class Tape:
     # The tensors entries made, by identity (ops and autograd hand the same tensor objects
     # on: views and in-place results included); weak, so they die when the user drops them.
     ids: dict[int, tuple[Pos, Any]] = field(default_factory=dict)
+    # Outside tensors the tape read, by storage: a later write through a view of one (an
+    # in-place op on ``y.view(...)``) changes it under the tape (see ``keep_before_write``).
+    outside: dict[int, list[torch.Tensor]] = field(default_factory=dict)
 
     def lookup(self, t: torch.Tensor) -> Pos | None:
         hit = self.ids.get(id(t))
@@ -172,6 +175,18 @@ class Tape:
 
     def clear_index(self) -> None:
         self.ids.clear()
+
+    def note_outside(self, t: torch.Tensor) -> None:
+        self.outside.setdefault(t.untyped_storage()._cdata, []).append(t)
+
+    def keep_before_write(self, written: list[torch.Tensor]) -> None:
+        """An op is about to write ``written``: keep a copy of each outside tensor the tape
+        read that shares its storage, at the version read, for replay (``replay._ext_value``)."""
+        for w in written:
+            for t in self.outside.get(w.untyped_storage()._cdata, ()):
+                key = (storage_key(t), t._version)
+                if key not in self.snaps:
+                    self.snaps[key] = t.detach().clone()
 
 
 def storage_key(t: torch.Tensor) -> tuple[Any, ...]:
@@ -352,8 +367,3 @@ def written_tensors(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
         if isinstance(val, torch.Tensor) and (trains or not stat):
             out.append((val, WRITE_ONLY if stat else SNAPSHOT))
     return out
-
-
-def written_ids(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[int, int]:
-    """id -> mode of the tensor arguments the op writes (``written_tensors``)."""
-    return {id(t): mode for t, mode in written_tensors(func, args, kwargs)}

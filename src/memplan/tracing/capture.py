@@ -9,7 +9,7 @@ import torch
 
 from memplan.core import graph as g
 from memplan.core.liveness import cut_points
-from memplan.tracing.step import LossFn, as_target, run_step
+from memplan.tracing.step import LossFn, StepResult, Target, as_target, no_cyclic_gc, run_step
 from memplan.tracing.tracer import StepTracer
 
 
@@ -22,16 +22,43 @@ def capture(model: Any, *inputs: Any, loss_fn: LossFn | None = None,
     (Workloads only; a user model is captured where its parameters are): kernels differ by
     device (e.g. attention on CUDA), so capture for the device you train on.
     """
-    target = as_target(model, inputs, loss_fn)
-    result = run_step(target, simulate=True, record=True, device=device)
-    tracer = result.tracer
-    n = tracer.model_ops
-    forward = g.ForwardSpec(n, g.forward_fingerprint([o.target for o in tracer.ops[:n]]),
-                            tuple(result.input_specs), autocast_state())
-    graph = build_graph(tracer, target.name, result.output_ids, forward)
-    del result, tracer
-    gc.collect()  # the step's autograd graph and fake tensors: freed now, not during planning
+    return capture_target(as_target(model, inputs, loss_fn), device)
+
+
+def capture_target(target: Target, device: str | None = None, fast: bool = True) -> g.Graph:
+    """``capture`` of a Target (``fast=False``: the reference path, see ``step.run_step``)."""
+    with no_cyclic_gc():  # until the Graph is built: see step.no_cyclic_gc
+        result = run_step(target, simulate=True, record=True, device=device, fast=fast)
+        tracer = result.tracer
+        n = tracer.model_ops
+        forward = g.ForwardSpec(n, g.forward_fingerprint([o.target for o in tracer.ops[:n]]),
+                                tuple(result.input_specs), autocast_state(), result.notes)
+        unsaved = unsaved_deaths(tracer, run_step(target, simulate=True, record=False,
+                                                  device=device, fast=fast, save=False))
+        graph = build_graph(tracer, target.name, result.output_ids, forward, unsaved)
+        del result, tracer
+    # One full pass now, over the Graph and whatever the step left: the collector would
+    # otherwise make it during planning (all of it is in the youngest generation).
+    gc.collect()
     return graph
+
+
+def unsaved_deaths(tracer: StepTracer, unsaved: StepResult) -> dict[int, int]:
+    """Value id -> its death in the forward run that saved nothing (``run_step(save=False)``),
+    for values that died there before the forward's end; matched by the op that made them
+    and their place among its outputs. A run that differs (another op count) gives nothing."""
+    other = unsaved.tracer
+    if len(other.made) != len(tracer.made):
+        return {}
+    out: dict[int, int] = {}
+    for mine, theirs in zip(tracer.made, other.made):
+        if len(mine) != len(theirs):
+            return {}
+        for vid, uid in zip(mine, theirs):
+            death = other.values[uid].death
+            if uid not in unsaved.alive_after_forward and death is not None:
+                out[vid] = death
+    return out
 
 
 def autocast_state() -> dict[str, str]:
@@ -47,9 +74,12 @@ def autocast_state() -> dict[str, str]:
 
 
 def build_graph(tracer: StepTracer, name: str, output_ids: tuple[int, ...],
-                forward: g.ForwardSpec | None) -> g.Graph:
+                forward: g.ForwardSpec | None, unsaved: dict[int, int] | None = None
+                ) -> g.Graph:
+    unsaved = unsaved or {}
     values = tuple(
-        g.Value(v.id, v.nbytes, v.kind, v.producer, v.birth, v.death, v.shape, v.dtype)
+        g.Value(v.id, v.nbytes, v.kind, v.producer, v.birth, v.death, v.shape, v.dtype,
+                _earlier(unsaved.get(v.id), v.death))
         for v in tracer.values
     )
     ops = tuple(_freeze(o) for o in tracer.ops)
@@ -60,8 +90,15 @@ def build_graph(tracer: StepTracer, name: str, output_ids: tuple[int, ...],
                    tracer.forward_peak_bytes, forward)
 
 
+def _earlier(a: int | None, b: int | None) -> int | None:
+    """The earlier of two deaths (None: alive after the step)."""
+    if a is None:
+        return b
+    return a if b is None else min(a, b)
+
+
 def _freeze(o: Any) -> g.Op:
     return g.Op(
         o.index, o.target, o.module, tuple(o.inputs), tuple(o.outputs), tuple(o.mutated),
-        tuple(o.saved), o.fwd_flops, o.bwd_flops, o.grad_of,
+        tuple(o.saved), o.fwd_flops, o.bwd_flops, o.grad_of, o.unpack_event, o.release_event,
     )

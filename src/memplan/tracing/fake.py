@@ -3,12 +3,16 @@ inputs (``FakeTensorMode``: shapes and dtypes, no memory), so that paper-scale s
 on a laptop and plans are checked against a model without touching it.
 
 Capture (``step.run_step``), ``memplan.apply``'s check of a plan (``runtime.probe``) and
-``memplan.distributed``'s unit inputs all run their forward through here.
+``memplan.distributed``'s unit inputs all run their forward through here. Real tensors the
+forward or the loss closes over (targets, class weights, masks) become fake copies as they are
+met: constants of the step. Ops whose output depends on tensor data are sized from one real
+forward (``datadep``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -18,6 +22,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.func import functional_call
 
 from memplan.errors import PlanMismatch
+from memplan.tracing import kernels  # noqa: F401  (fake kernels torch lacks, registered)
+from memplan.tracing.opcache import fake_tensor
 
 DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64,
@@ -44,6 +50,21 @@ def functional_state(model: nn.Module, by_name: dict[str, torch.Tensor]) -> dict
     return out
 
 
+@contextlib.contextmanager
+def fake_mode() -> Iterator[FakeTensorMode]:
+    """The fake mode of every memplan fake run. Real tensors met as inputs of an op (what a
+    forward or a loss closes over) are converted to fake copies, once each. A failing op is
+    reported once, as memplan's error: torch's logging of it is held back meanwhile."""
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    was_disabled = log.disabled
+    log.disabled = True
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            yield mode
+    finally:
+        log.disabled = was_disabled
+
+
 def fake_state(fake: FakeTensorMode, model: nn.Module
                ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Fake copies of the model's parameters (leaves that keep requires_grad, with no grad:
@@ -54,6 +75,31 @@ def fake_state(fake: FakeTensorMode, model: nn.Module
         t.grad = None
         params[name] = t
     buffers: dict[str, torch.Tensor] = {n: fake.from_tensor(b) for n, b in model.named_buffers()}
+    return params, buffers
+
+
+def make_fake_in_place(fake: FakeTensorMode, model: nn.Module, device: torch.device
+                       ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Turn ``model``, built on the meta device (a Workload: no values, its init kernels in
+    C++ rather than through the fake mode), into a fake model on ``device``, in place: every
+    parameter and buffer slot holds a fake tensor (tied ones the same). Returns them as
+    ``named_parameters()`` / ``named_buffers()`` name them."""
+    fakes: dict[int, torch.Tensor] = {}
+
+    def swap(slots: dict[str, Any]) -> None:
+        for key, t in slots.items():
+            if t is not None:
+                if id(t) not in fakes:
+                    with torch._C._DisableTorchDispatch():  # a meta tensor: not the fake mode's
+                        elem = t.detach()
+                    fakes[id(t)] = fake_tensor(fake, elem, device, requires_grad=t.requires_grad)
+                slots[key] = fakes[id(t)]
+
+    named = dict(model.named_parameters()), dict(model.named_buffers())
+    for module in model.modules():
+        swap(module._parameters)
+        swap(module._buffers)
+    params, buffers = ({name: fakes[id(t)] for name, t in group.items()} for group in named)
     return params, buffers
 
 
@@ -128,6 +174,32 @@ def untouched(model: nn.Module) -> Iterator[None]:
             torch.set_rng_state(rng)
 
 
+@contextlib.contextmanager
+def autocast_as(autocast: dict[str, str] | None) -> Iterator[None]:
+    """Autocast on for each device of ``autocast`` (device -> dtype), as at capture."""
+    with contextlib.ExitStack() as stack:
+        for kind, dtype in (autocast or {}).items():
+            stack.enter_context(torch.autocast(kind, dtype=DTYPES[dtype]))
+        yield
+
+
+def real_forward(model: nn.Module, args: Sequence[Any], loss_fn: Callable[[Any], Any] | None = None,
+                 autocast: dict[str, str] | None = None) -> None:
+    """One real training-mode forward (and loss) under ``no_grad``: what sizes data-dependent
+    ops (``datadep``). Buffers are updated on copies; the model's parameters, buffers,
+    training mode and the RNG are left as they were."""
+    buffers = {name: b.clone() for name, b in model.named_buffers()}
+    with untouched(model), torch.no_grad(), autocast_as(autocast):
+        out = functional_call(model, functional_state(model, buffers), tuple(args),
+                              tie_weights=False)
+        if loss_fn is not None:
+            loss_fn(out)
+
+
+def model_device(model: nn.Module) -> torch.device:
+    return next(iter(model.parameters()), torch.empty(0)).device
+
+
 def fake_forward(model: nn.Module, inputs: Sequence[Any] | None,
                  specs: Sequence[dict[str, Any]] = (), autocast: dict[str, str] | None = None,
                  within: Sequence[contextlib.AbstractContextManager[Any]] = ()) -> Any:
@@ -135,13 +207,11 @@ def fake_forward(model: nn.Module, inputs: Sequence[Any] | None,
     (or, when None, from input ``specs``), under ``autocast`` and the context managers
     ``within``; returns its (fake) output. The model's parameters, buffers, attributes,
     training mode and the RNG are left as they were."""
-    device = next(iter(model.parameters()), torch.empty(0)).device
-    with untouched(model), FakeTensorMode(allow_non_fake_inputs=False) as fake:
+    device = model_device(model)
+    with untouched(model), fake_mode() as fake:
         params, buffers = fake_state(fake, model)
         args = spec_args(specs, device) if inputs is None else fake_args(fake, inputs)
-        with contextlib.ExitStack() as stack:
-            for kind, dtype in (autocast or {}).items():
-                stack.enter_context(torch.autocast(kind, dtype=DTYPES[dtype]))
+        with autocast_as(autocast), contextlib.ExitStack() as stack:
             for cm in within:
                 stack.enter_context(cm)
             stack.enter_context(torch.enable_grad())

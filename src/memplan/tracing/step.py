@@ -11,13 +11,23 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode, UnsupportedOperatorException
 from torch.utils._pytree import tree_flatten
 
 from memplan.core import graph as g
-from memplan.errors import ConfigError, bad_arg
+from memplan.errors import CaptureError, ConfigError, MemplanError, bad_arg
 from memplan.models import Workload
-from memplan.tracing.fake import fake_args, fake_call, fake_state, kept_python_state
+from memplan.tracing.datadep import Oracle, run_with_oracle
+from memplan.tracing.fake import (
+    fake_args,
+    fake_call,
+    fake_mode,
+    fake_state,
+    kept_python_state,
+    make_fake_in_place,
+    real_forward,
+)
+from memplan.tracing.opcache import FakeOpCache
 from memplan.tracing.tracer import StepTracer, module_hooks
 
 LossFn = Callable[[Any], torch.Tensor]
@@ -31,6 +41,7 @@ class Target:
     build: Callable[[], tuple[nn.Module, tuple[Any, ...]]]
     loss_fn: LossFn
     user_model: nn.Module | None  # set when the user passed a real model
+    workload: Workload | None = None  # set when it is a Workload
 
 
 def as_target(obj: Any, inputs: tuple[Any, ...], loss_fn: LossFn | None) -> Target:
@@ -43,7 +54,7 @@ def as_target(obj: Any, inputs: tuple[Any, ...], loss_fn: LossFn | None) -> Targ
                 "Pass either a Workload alone or model, *inputs, loss_fn=...",
             )
         w = obj
-        return Target(w.spec, lambda: (w.build_model(), w.build_inputs()), w.loss, None)
+        return Target(w.spec, lambda: (w.build_model(), w.build_inputs()), w.loss, None, w)
     if isinstance(obj, nn.Module):
         if not inputs:
             raise bad_arg(
@@ -74,6 +85,16 @@ class StepResult:
     params: list[torch.Tensor]
     output_ids: tuple[int, ...]
     input_specs: list[dict[str, Any]]
+    notes: tuple[str, ...] = ()  # assumptions the step was captured under (``datadep``)
+    alive_after_forward: frozenset[int] = frozenset()  # value ids (``save=False`` only)
+
+
+def _dropped(t: torch.Tensor) -> None:
+    return None
+
+
+def _never_unpacked(obj: None) -> torch.Tensor:
+    raise AssertionError("memplan: a forward run with save=False has no backward")
 
 
 @contextlib.contextmanager
@@ -94,46 +115,101 @@ def _fake_mode(simulate: bool) -> Iterator[FakeTensorMode | None]:
     if not simulate:
         yield None
         return
-    with FakeTensorMode(allow_non_fake_inputs=False) as mode:
+    with fake_mode() as mode:
         yield mode
 
 
-def run_step(target: Target, *, simulate: bool, record: bool, device: str | None = None) -> StepResult:
-    """One forward+loss+backward under a tracer. Fake tensors when ``simulate`` (a user's
-    model keeps its Python attributes: ``kept_python_state``)."""
-    kept = target.user_model if simulate else None
+def run_step(target: Target, *, simulate: bool, record: bool, device: str | None = None,
+             fast: bool = True, save: bool = True) -> StepResult:
+    """One forward+loss+backward under a tracer. Fake tensors when ``simulate``; ops whose
+    output depends on tensor data are then sized from one real forward (``datadep``).
+    ``fast=False`` runs every op through the fake mode itself and builds a Workload on fake
+    tensors (the reference the fast path is tested against: the same Graph). With
+    ``save=False``: forward and loss only, with autograd keeping nothing it would save (a
+    saved-tensor hook drops it), so each value dies when the user's code drops it."""
+    if not simulate:
+        return _run_step(target, None, record, device, fast, save)
+
+    def real() -> None:
+        model, inputs = _materialise(target, device)
+        real_forward(model, inputs, target.loss_fn)
+
+    try:
+        result: StepResult = run_with_oracle(
+            lambda oracle: _run_step(target, oracle, record, device, fast, save), real)
+        return result
+    except MemplanError:
+        raise
+    except UnsupportedOperatorException as err:
+        raise CaptureError(
+            f"capture: {target.name} runs {err.func}, which has no fake-tensor kernel (memplan "
+            "captures the step on fake tensors, without memory). Register one with "
+            "torch.library.register_fake, or file an issue with the model."
+        ) from err
+    except Exception as err:
+        raise CaptureError(
+            f"capture: the training step of {target.name} raised {type(err).__name__} on fake "
+            f"tensors: {err}. Check that it runs plainly (model(*inputs), loss_fn(output), "
+            "backward) on these inputs; if it does, file an issue with the model."
+        ) from err
+
+
+@dataclass
+class _Step:
+    """What a step runs: the model (for its module paths), its parameters, buffers and inputs
+    as the step sees them (fake copies under a fake mode), and what to call."""
+
+    model: nn.Module
+    params: dict[str, torch.Tensor]
+    buffers: dict[str, torch.Tensor]
+    inputs: tuple[Any, ...]
+    call: Callable[..., Any]
+
+
+def _run_step(target: Target, oracle: Oracle | None, record: bool, device: str | None,
+              fast: bool, save: bool) -> StepResult:
+    simulate = oracle is not None
+    meta_model = None
+    if simulate and fast and target.workload is not None:
+        # Built on the meta device, outside the fake mode (init kernels in C++ rather than
+        # one by one through the fake mode: most of a ResNet-1000's capture otherwise), and
+        # made fake in _prepare.
+        with no_cyclic_gc(), torch.device("meta"):
+            meta_model = target.workload.build_model()
+    kept = target.user_model if simulate else None  # its Python attributes: restored after
     with (kept_python_state(kept) if kept is not None else contextlib.nullcontext()), \
             no_cyclic_gc(), _fake_mode(simulate) as fake:
-        model, inputs = _materialise(target, fake, device)
-        params: dict[str, torch.Tensor] = dict(model.named_parameters())
-        buffers = dict(model.named_buffers())
-        call: Callable[..., Any] = model
-        if fake is not None and target.user_model is not None:  # fake copies of the user's
-            params, buffers = fake_state(fake, model)
-            inputs = fake_args(fake, inputs)
-            call = fake_call(model, params, buffers)
-        tracer = StepTracer(record=record)
-        for p in params.values():
+        step = _prepare(target, fake, meta_model, device)
+        cache = FakeOpCache(fake) if fake is not None and fast else None
+        tracer = StepTracer(record=record, fake=fake, oracle=oracle, cache=cache)
+        for p in step.params.values():
             tracer.register(p, g.PARAMETER)
             if p.grad is not None:
                 tracer.register(p.grad, g.GRADIENT)
-        for b in buffers.values():
+        for b in step.buffers.values():
             tracer.register(b, g.BUFFER)
-        for x in _tensors(inputs):
+        for x in _tensors(step.inputs):
             tracer.register(x, g.INPUT)
-        with module_hooks(tracer, model) if record else contextlib.nullcontext(), tracer:
-            tracer.in_model = True
-            out = call(*inputs)
-            tracer.in_model = False
-            tracer.model_ops = len(tracer.ops)
-            loss = target.loss_fn(out)
+        drop = (contextlib.nullcontext() if save
+                else torch.autograd.graph.saved_tensors_hooks(_dropped, _never_unpacked))
+        alive: frozenset[int] = frozenset()
+        with module_hooks(tracer, step.model) if record else contextlib.nullcontext(), tracer:
+            with drop:
+                tracer.in_model = True
+                out = step.call(*step.inputs)
+                tracer.in_model = False
+                tracer.model_ops = len(tracer.ops)
+                loss = target.loss_fn(out)
             _check_loss(loss)
             tracer.end_forward()
             output_ids = tuple(
                 i for i in (tracer._lookup(t) for t in _tensors((out, loss))) if i is not None
             )
-            loss.backward()  # type: ignore[no-untyped-call]
-        param_list = list(params.values())
+            if save:
+                loss.backward()  # type: ignore[no-untyped-call]
+            else:
+                alive = frozenset(v.id for v in tracer.values if v.death is None)
+        param_list = list(step.params.values())
         for p in param_list:
             if p.grad is not None:
                 vid = tracer._lookup(p.grad)
@@ -141,12 +217,28 @@ def run_step(target: Target, *, simulate: bool, record: bool, device: str | None
                     tracer.values[vid].kind = g.GRADIENT
         del out, loss
         tracer.close()
-        return StepResult(tracer, param_list, output_ids, input_specs(inputs))
+        notes = oracle.notes() if oracle is not None else ()
+        return StepResult(tracer, param_list, output_ids, input_specs(step.inputs), notes,
+                          alive)
 
 
-def _materialise(
-    target: Target, fake: FakeTensorMode | None, device: str | None
-) -> tuple[nn.Module, tuple[Any, ...]]:
+def _prepare(target: Target, fake: FakeTensorMode | None, meta_model: nn.Module | None,
+             device: str | None) -> _Step:
+    if fake is not None and meta_model is not None and target.workload is not None:
+        on = torch.device(device or "cpu")
+        with torch.device(on):
+            inputs = target.workload.build_inputs()
+        params, buffers = make_fake_in_place(fake, meta_model, on)
+        return _Step(meta_model, params, buffers, inputs, meta_model)
+    model, inputs = _materialise(target, device)
+    if fake is None:
+        return _Step(model, dict(model.named_parameters()), dict(model.named_buffers()),
+                     inputs, model)
+    params, buffers = fake_state(fake, model)  # fake copies of the user's model and inputs
+    return _Step(model, params, buffers, fake_args(fake, inputs), fake_call(model, params, buffers))
+
+
+def _materialise(target: Target, device: str | None) -> tuple[nn.Module, tuple[Any, ...]]:
     if device is not None and target.user_model is None:
         with torch.device(device):
             return target.build()

@@ -4,7 +4,7 @@ that machine noise hits them alike), and the forward time per chain stage for
 time cost).
 
 One real forward (model and loss) runs under a ``TorchDispatchMode`` that times every aten op
-it counts the way capture does (``tracer.is_counted``), with ``torch.cuda.synchronize`` around
+it counts the way capture does (``opinfo.is_counted``), with ``torch.cuda.synchronize`` around
 each op on CUDA; op ``i`` is then forward op ``i`` of the captured Graph (checked: same count,
 same targets), and a stage's time is the sum over its ops ``first[s] .. last[s]``. The first
 run warms up; each stage's time is the median over ``repeat`` more. Buffers (BatchNorm's
@@ -27,8 +27,8 @@ from memplan.core import graph as g
 from memplan.errors import CaptureError, bad_arg
 from memplan.tracing.capture import capture
 from memplan.tracing.device import check_device
+from memplan.tracing.opinfo import is_counted
 from memplan.tracing.step import LossFn, Target, as_target
-from memplan.tracing.tracer import is_counted
 
 
 class _OpTimer(TorchDispatchMode):  # type: ignore[no-untyped-call]

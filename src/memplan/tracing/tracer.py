@@ -2,8 +2,8 @@
 ops, their inputs/outputs, what autograd saves for each, their FLOPs and module paths.
 
 One ``TorchDispatchMode`` serves both capture (fake tensors) and measurement (fake or real):
-storages are identified by their ``StorageImpl`` and a ``weakref.finalize`` on the storage
-object tells us when it dies, so the live-byte count is O(1) per op (torch's ``MemTracker``
+storages are identified by their ``StorageImpl`` and a weak reference to the storage object
+tells us when it dies, so the live-byte count is O(1) per op (torch's ``MemTracker``
 rescans every weak reference on every op instead: ~245 s on ResNet-1000 here).
 """
 
@@ -16,14 +16,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
-from torch.utils.flop_counter import flop_registry
 
 from memplan.core import graph as g
+from memplan.tracing.datadep import Oracle
+from memplan.tracing.opcache import FakeOpCache
+from memplan.tracing.opinfo import OpInfo, op_info, shape_key, tensors_of
 
 
-@dataclass
+@dataclass(slots=True)
 class _ValueRec:
     id: int
     nbytes: int
@@ -33,9 +35,10 @@ class _ValueRec:
     death: int | None
     shape: tuple[int, ...]
     dtype: str
+    numel: int
 
 
-@dataclass
+@dataclass(slots=True)
 class _OpRec:
     index: int
     target: str
@@ -47,35 +50,36 @@ class _OpRec:
     fwd_flops: int = 0
     bwd_flops: int = 0
     grad_of: int = -1
+    unpack_event: int = -1
+    release_event: int = -1
 
 
-_DETACH = torch.ops.aten.detach.default
-
-
-def is_counted(func: Any) -> bool:
-    """Whether an op gets an index in the captured forward (the runtime counts the same way)."""
-    return func.namespace != "prim" and func is not _DETACH
-
-
-def _mutated_arg_positions(func: Any) -> tuple[int, ...]:
-    return tuple(
-        i
-        for i, arg in enumerate(func._schema.arguments)
-        if arg.alias_info is not None and arg.alias_info.is_write
-    )
+_PRIM_DEVICE = torch.ops.prim.device.default
 
 
 class StepTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
-    """Counts live storage bytes through a step; with ``record=True`` also builds a Graph."""
+    """Counts live storage bytes through a step; with ``record=True`` also builds a Graph.
+    Under ``fake`` (a fake step), ops run through ``cache`` when given (``opcache``) and
+    ``oracle`` answers data-dependent ones (``datadep``)."""
 
-    def __init__(self, record: bool = False) -> None:
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # never compiled: spare every op torch's dynamo-disable wrapper
+
+    def __init__(self, record: bool = False, fake: FakeTensorMode | None = None,
+                 oracle: Oracle | None = None, cache: FakeOpCache | None = None) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.record = record
+        self.fake = fake
+        self.oracle = oracle
+        self._run: Callable[[Any, tuple[Any, ...], dict[str, Any]], Any] = (
+            _call if cache is None else cache.call)
         self.phase = "forward"
         self.event = -1
         self.values: list[_ValueRec] = []
         self._by_storage: dict[int, int] = {}
-        self._finalizers: list[weakref.finalize[Any, Any]] = []
+        # A weak reference per tracked storage; its callback records the death.
+        self._watched: dict[weakref.ref[Any], tuple[int, int]] = {}
         self.live_bytes = 0
         self.peak_bytes = 0
         self.peak_event = -1
@@ -88,11 +92,15 @@ class StepTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.model_ops = 0  # forward ops inside the model call (the rest is the loss)
         self._paused = 0
         self._grad_of = -1
-        self._pending: list[tuple[int, list[weakref.ref[torch.Tensor]], int]] = []
+        # (forward op, its outputs (and whether to read the node off their base), tries)
+        self._pending: list[tuple[int, list[tuple[weakref.ref[torch.Tensor], bool]], int]] = []
         self._hooked_nodes: set[int] = set()
         self._node_refs: list[tuple[Any, int]] = []
-        self._mutates: dict[Any, tuple[int, ...]] = {}
+        self._info: dict[Any, OpInfo] = {}
+        self._flops: dict[tuple[Any, ...], int] = {}
+        self._constants: list[torch.Tensor] = []  # fake copies of real tensors the step reads
         self._saved_names: dict[type, tuple[str, ...]] = {}
+        self.made: list[list[int]] = []  # per forward op: the storages it made (value ids)
 
     # --- storages ----------------------------------------------------------------------------
 
@@ -110,14 +118,36 @@ class StepTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
         nbytes = int(storage.nbytes())
         birth = -1 if kind in (g.PARAMETER, g.BUFFER, g.INPUT, g.EXTERNAL) else self.event
         self.values.append(
-            _ValueRec(vid, nbytes, kind, producer, birth, None, tuple(t.shape), str(t.dtype))
+            _ValueRec(vid, nbytes, kind, producer, birth, None, tuple(t.shape), str(t.dtype),
+                      t.numel())
         )
         self._by_storage[key] = vid
-        self._finalizers.append(weakref.finalize(storage, self._on_free, key, vid))
+        self._watched[weakref.ref(storage, self._on_free)] = (key, vid)
         self.live_bytes += nbytes
         return vid
 
-    def _on_free(self, key: int, vid: int) -> None:
+    def _register_unseen(self, t: torch.Tensor) -> int:
+        """A tensor that existed before the step and was not registered up front."""
+        if self.fake is None or isinstance(t, FakeTensor):
+            return self.register(t, g.EXTERNAL)
+        # A real tensor the forward or the loss closes over (targets, class weights, masks):
+        # the fake mode computes with its fake copy (one per tensor), which autograd may save.
+        # Count that copy, once, and find it from the real tensor too. The fake mode holds its
+        # copies weakly: keep it for the step, so that every use gets the same one.
+        copy = self.fake.from_tensor(t)
+        self._constants.append(copy)
+        vid = self.register(copy, g.EXTERNAL)
+        storage = t.untyped_storage()
+        self._by_storage[storage._cdata] = vid
+        self._watched[weakref.ref(storage, self._on_free)] = (storage._cdata, -1)
+        return vid
+
+    def _on_free(self, ref: weakref.ref[Any]) -> None:
+        key, vid = self._watched.pop(ref)
+        if vid < 0:  # the real tensor behind a fake copy: forget it (its copy lives on)
+            if self._by_storage.get(key) is not None:
+                del self._by_storage[key]
+            return
         rec = self.values[vid]
         rec.death = self.event
         self.live_bytes -= rec.nbytes
@@ -144,69 +174,96 @@ class StepTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
+        if func is _PRIM_DEVICE and type(args[0]) is FakeTensor:
+            # The device query C++ makes of every fake tensor, answered as FakeTensorMode's
+            # own handler answers it, without the trip through it.
+            fake = args[0].fake_mode
+            return torch.device("meta") if fake.in_kernel_invocation else args[0].fake_device
         kwargs = kwargs or {}
-        if self._paused or not is_counted(func):
+        info = self._info.get(func)
+        if info is None:
+            info = self._info[func] = op_info(func)
+        if self._paused or not info.counted:
             # prim.device & co. are metadata queries of tensor subclasses, not computation;
             # autograd dispatches detach for saved outputs only when no saved-tensor hooks are
             # set (the runtime sets them), and detach allocates nothing.
-            return func(*args, **kwargs)
+            return self._run(func, args, kwargs)
         if self.record and self._pending:
             self._hook_pending_nodes()
-        flat_in, _ = tree_flatten((args, kwargs))
-        in_tensors = [a for a in flat_in if isinstance(a, torch.Tensor)]
+        in_tensors = tensors_of(args, kwargs)
         self.event += 1
         # Inputs we never saw existed before the step: count them, as "external".
-        inputs = [self._lookup(t) for t in in_tensors]
-        for i, t in enumerate(in_tensors):
-            if inputs[i] is None:
-                inputs[i] = self.register(t, g.EXTERNAL)
-        out = func(*args, **kwargs)
-        flat_out, _ = tree_flatten(out)
+        by_storage = self._by_storage
+        inputs: list[int] = []
+        for t in in_tensors:
+            vid = by_storage.get(t.untyped_storage()._cdata)
+            inputs.append(self._register_unseen(t) if vid is None else vid)
+        if self.oracle is None:
+            out = self._run(func, args, kwargs)
+        else:
+            out = self.oracle.call(func, args, kwargs, self._run)
+        out_tensors: list[torch.Tensor] = [out] if type(out) is FakeTensor else tensors_of(out)
         forward = self.phase == "forward"
-        kind = g.ACTIVATION if forward else g.BACKWARD
-        index = len(self.ops) if forward else len(self.backward_ops)
+        if forward:
+            kind, producer = g.ACTIVATION, len(self.ops)
+        else:
+            kind, producer = g.BACKWARD, -1
         made: list[int] = []
-        for t in flat_out:
-            if isinstance(t, torch.Tensor) and self._lookup(t) is None:
-                made.append(self.register(t, kind, index if forward else -1))
+        for t in out_tensors:
+            if t.untyped_storage()._cdata not in by_storage:
+                made.append(self.register(t, kind, producer))
+        if forward:
+            self.made.append(made)
         self._note_peak()
         if self.record:
-            self._record(func, args, inputs, made, flat_out, out)
+            self._record(info, args, inputs, made, out_tensors, out)
         return out
 
     def _record(
-        self, func: Any, args: tuple[Any, ...], inputs: list[int | None], made: list[int],
-        flat_out: list[Any], out: Any,
+        self, info: OpInfo, args: tuple[Any, ...], inputs: list[int], made: list[int],
+        out_tensors: list[torch.Tensor], out: Any,
     ) -> None:
-        target = str(func)
-        positions = self._mutates.get(func)
-        if positions is None:
-            positions = self._mutates[func] = _mutated_arg_positions(func)
-        mutated = []
-        for pos in positions:
+        mutated: list[int] = []
+        for pos in info.mutated:
             if pos < len(args) and isinstance(args[pos], torch.Tensor):
                 vid = self._lookup(args[pos])
                 if vid is not None and vid not in mutated:
                     mutated.append(vid)
-        flops = _flops(func, args, out, made, self.values)
-        forward = self.phase == "forward"
-        module = self.module_stack[-1][0] if self.module_stack else ("" if self.in_model else "<loss>")
-        uniq_inputs = list(dict.fromkeys(v for v in inputs if v is not None))
-        if forward:
-            rec = _OpRec(len(self.ops), target, module, uniq_inputs, made, mutated, fwd_flops=flops)
+        if info.formula is not None:
+            flops = self._formula_flops(info, args, out)
+        else:
+            values = self.values
+            flops = sum(values[v].numel for v in made)
+        uniq_inputs = list(dict.fromkeys(inputs)) if len(inputs) > 1 else inputs
+        if self.phase == "forward":
+            stack = self.module_stack
+            module = stack[-1][0] if stack else ("" if self.in_model else "<loss>")
+            rec = _OpRec(len(self.ops), info.target, module, uniq_inputs, made, mutated,
+                         [], flops)
             self.ops.append(rec)
-            tensors = [weakref.ref(t) for t in flat_out if isinstance(t, torch.Tensor)]
-            self._pending.append((rec.index, tensors, 0))
+            # An op that writes a view in place: see _hook_pending_nodes.
+            inplace = bool(info.mutated)
+            self._pending.append((rec.index, [(weakref.ref(t), inplace and t._is_view())
+                                              for t in out_tensors], 0))
         else:
             grad_of = self._grad_of
             module = self.ops[grad_of].module if grad_of >= 0 else "<accumulate>"
-            rec = _OpRec(
-                len(self.backward_ops), target, module, uniq_inputs, made, mutated,
-                fwd_flops=flops, grad_of=grad_of,
-            )
+            rec = _OpRec(len(self.backward_ops), info.target, module, uniq_inputs, made,
+                         mutated, [], flops, 0, grad_of)
             self.backward_ops.append(rec)
             if grad_of >= 0:
                 self.ops[grad_of].bwd_flops += flops
+
+    def _formula_flops(self, info: OpInfo, args: tuple[Any, ...], out: Any) -> int:
+        """torch's FLOP formula (matmul, conv, attention): a function of shapes and flags,
+        worked out once per distinct call."""
+        key = shape_key(info.target, args, out)
+        flops = self._flops.get(key) if key is not None else None
+        if flops is None:
+            flops = int(info.formula(*args, out_val=out))
+            if key is not None:
+                self._flops[key] = flops
+        return flops
 
     # --- autograd: saved tensors and backward attribution -----------------------------------
 
@@ -248,14 +305,20 @@ class StepTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
         pending, self._pending = self._pending, []
         for index, refs, tries in pending:
             waiting = []
-            for ref in refs:
+            for ref, via_base in refs:
                 t = ref()
                 if t is None:
                     continue
+                if via_base:
+                    # The op wrote a view in place: reading t.grad_fn regenerates the view's
+                    # node under an autograd lock that may be held right now (autograd
+                    # replays the view on fake tensors through this mode): a deadlock. The
+                    # op's node is in the CopySlices autograd put on the base.
+                    t = t._base if t._base is not None else t
                 node = t.grad_fn
                 if node is None:
                     if tries < 4:
-                        waiting.append(ref)
+                        waiting.append((ref, via_base))
                     continue
                 if id(node) in self._hooked_nodes:
                     continue
@@ -274,8 +337,17 @@ class StepTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
         def prehook(grad_outputs: Any) -> None:
             self._grad_of = index
+            if index >= 0:
+                self.ops[index].unpack_event = self.event
+
+        def posthook(grad_inputs: Any, grad_outputs: Any) -> None:
+            # The engine releases what the node saved right after its post hooks, before it
+            # adds the node's outputs into other nodes' input buffers.
+            self.ops[index].release_event = self.event
 
         node.register_prehook(prehook)
+        if index >= 0:
+            node.register_hook(posthook)
 
     # --- module structure --------------------------------------------------------------------
 
@@ -288,12 +360,14 @@ class StepTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
     def module_post(self) -> None:
         path, start, children = self.module_stack.pop()
         depth = len(self.module_stack)
-        if children:  # leaf calls (a conv, a relu) are never stage boundaries
-            self.module_calls.append(g.ModuleCall(path, start, len(self.ops), depth))
+        if len(self.ops) > start:
+            self.module_calls.append(g.ModuleCall(path, start, len(self.ops), depth, not children))
 
     # --- phases ------------------------------------------------------------------------------
 
     def end_forward(self) -> None:
+        if self.oracle is not None:
+            self.oracle.in_forward = False
         if self.record:
             if self._pending:
                 self._hook_pending_nodes()
@@ -305,28 +379,15 @@ class StepTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.phase = "backward"
 
     def close(self) -> None:
-        """Stop watching: detach all death callbacks (values still alive keep death=None)."""
-        for fin in self._finalizers:
-            fin.detach()
-        self._finalizers.clear()
+        """Stop watching: drop all death callbacks (values still alive keep death=None)."""
+        self._watched.clear()
         self._node_refs.clear()
         self._pending.clear()
+        self._constants.clear()
 
 
-def _flops(func: Any, args: tuple[Any, ...], out: Any, made: list[int], values: list[_ValueRec]) -> int:
-    """FLOPs of one op: torch's FlopCounterMode formulas for matmul/conv/attention; one FLOP
-    per output element for other ops that write memory (pointwise, norms, reductions)."""
-    formula = flop_registry.get(func.overloadpacket)
-    if formula is not None:
-        return int(formula(*args, out_val=out))
-    return sum(_numel(values[v].shape) for v in made)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+def _call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    return func(*args, **kwargs)
 
 
 @contextmanager

@@ -35,6 +35,7 @@ at moderate ones (benchmarks/planners.py).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -353,6 +354,12 @@ def plan_ilp(graph: ChainLike, budget_bytes: int | None = None, time_limit_s: fl
                  f"node limit {node_limit} reached, gap "
                  f"{'unknown' if res.gap is None else f'{res.gap:.2%}'}"))
     mine = None if res.schedule is None else wrap(res.schedule, budget_bytes, status)
+    clean = _clean_dp(graph, chain, budget_bytes, drop_cheap, stage_time_s)
+    if clean is not None and all(_key(clean, budget_bytes) < _key(p, budget_bytes)
+                                 for p in (mine, dp) if p is not None):
+        note = (f"{status}; the 'optimal' dynamic program's plan on the clean chain "
+                f"({len(clean.stages)} stages) is better and returned")
+        return dataclasses.replace(clean, planner="ilp", params=params, notes=(*notes, note))
     if dp is not None and (mine is None or _key(dp, budget_bytes) <= _key(mine, budget_bytes)):
         why = "no better" if mine is not None else "no plan"
         return wrap(dp.schedule, budget_bytes, f"{status}; it found {why} than the 'optimal' "
@@ -381,6 +388,21 @@ def _milp_plan(chain: C.Chain, budget_bytes: int | None, max_depth: int, node_li
                            time_limit_s)
         res = again if again.schedule is not None else res
     return res
+
+
+def _clean_dp(graph: ChainLike, chain: C.Chain, budget_bytes: int | None, drop_cheap: bool,
+              stage_time_s: list[float] | None) -> Plan | None:
+    """The dynamic program's plan on the graph's clean chain, when the ILP plans over another
+    chain of the graph (with fine cut points the clean chain can beat the skips' over-count)."""
+    if not isinstance(graph, g.Graph) or stage_time_s is not None:
+        return None
+    clean = C.build_chain(graph)
+    if np.array_equal(clean.last, chain.last):
+        return None
+    try:
+        return plan_optimal(clean, budget_bytes, drop_cheap=drop_cheap)
+    except BudgetTooSmall:
+        return None
 
 
 def _key(p: Plan, budget_bytes: int | None) -> tuple[float, float]:

@@ -1,0 +1,81 @@
+"""Capture time (issue 14, item 3): ``memplan.capture`` of the paper's ResNet-1000 (batch 32)
+and LSTM (T=1024, T=2048), wall and process CPU seconds, each run in a fresh process (the fake
+mode's cache is process-wide), 1 thread, interleaved with the reference path (every op through
+the fake mode, ``--reference``), medians; the load average beside each figure. Both paths must
+give the same graph fingerprint.
+
+    .venv/bin/python benchmarks/capture.py [--models resnet1000,lstm1024] [--repeat 3]
+        [--reference] [--out capture.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from typing import Any
+
+MODELS: dict[str, tuple[str, dict[str, Any]]] = {
+    "resnet1000": ("resnet", {"depth": 1000, "batch": 32}),
+    "lstm1024": ("lstm", {"steps": 1024}),
+    "lstm2048": ("lstm", {"steps": 2048}),
+}
+
+_RUN = """
+import json, os, time, torch
+torch.set_num_threads(1)
+import memplan
+from memplan.tracing.capture import capture_target
+from memplan.tracing.step import as_target
+w = memplan.models.get({name!r}, **{params!r})
+wall, cpu = time.perf_counter(), time.process_time()
+g = capture_target(as_target(w, (), None), fast={fast!r})
+print(json.dumps({{"wall_s": time.perf_counter() - wall, "cpu_s": time.process_time() - cpu,
+                  "fingerprint": g.fingerprint, "ops": len(g.ops),
+                  "backward_ops": len(g.backward_ops), "load": os.getloadavg()[0]}}))
+"""
+
+
+def run_once(model: str, fast: bool) -> dict[str, Any]:
+    name, params = MODELS[model]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", _RUN.format(name=name, params=params, fast=fast)],
+                          capture_output=True, text=True, check=True, env=env)
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="resnet1000,lstm1024")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--reference", action="store_true", help="also time the reference path")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    rows = []
+    for model in args.models.split(","):
+        runs: dict[str, list[dict[str, Any]]] = {"fast": [], "reference": []}
+        for _ in range(args.repeat):
+            for path in ("fast", "reference") if args.reference else ("fast",):
+                runs[path].append(run_once(model, path == "fast"))
+        for path, got in runs.items():
+            if not got:
+                continue
+            row = {"model": model, "path": path, "runs": len(got),
+                   "wall_s": statistics.median(r["wall_s"] for r in got),
+                   "cpu_s": statistics.median(r["cpu_s"] for r in got),
+                   "load": [round(r["load"], 1) for r in got],
+                   "fingerprint": sorted({r["fingerprint"] for r in got}),
+                   "ops": got[0]["ops"], "backward_ops": got[0]["backward_ops"]}
+            rows.append(row)
+            print(f"{model:11s} {path:9s} wall {row['wall_s']:7.2f} s  cpu {row['cpu_s']:7.2f} s"
+                  f"  load {row['load']}  fingerprint {row['fingerprint']}", flush=True)
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(rows, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,276 @@
+"""Repeated fake ops at a fraction of the cost: ``FakeTensorMode``'s own cache entries, found by
+a cheaper key and built into outputs without its generic machinery.
+
+A captured step repeats the same few ops on the same shapes thousands of times (residual units,
+LSTM steps, decoder layers). ``FakeTensorMode`` caches an op's output metadata already, but
+most of an op's time goes to building its cache key (a generic walk over the arguments and 17
+properties of every tensor) and to rebuilding the output. Here a key made of the same
+information for the arguments memplan sees (shape, stride, dtype, device and flags of plain fake
+tensors, their storage offset and size where an output may alias them; scalars with their
+types) maps to ``FakeTensorMode``'s entry,
+found once the key repeats, and outputs are made as ``FakeTensorMode`` makes them from that
+entry. Anything else (constants, real or symbolic values, nested containers, ops it does not
+cache) takes the normal path. ``tests/tracing/test_capture_speed.py`` checks the result equals
+the normal path's, graph for graph.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch._subclasses._fake_tensor_utils import _CacheKeyState
+from torch._subclasses.fake_tensor import (
+    FakeTensor,
+    FakeTensorMode,
+    TensorMetadata,
+    _BypassDispatchCache,
+    _DispatchCacheEntryOutputInfo,
+    _DispatchCacheValidEntry,
+)
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_SEEN = object()  # seen once: the next call looks up the entry
+_NEVER = object()  # this key takes the normal path
+_UNCACHED_TAGS = (torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output,
+                  torch.Tag.inplace_view)
+_SCALARS = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
+            torch.memory_format)
+_SELECT = torch.ops.aten.select.int
+_META = torch.device("meta")
+
+
+class FakeOpCache:
+    """``call(func, args, kwargs)``: ``func(*args, **kwargs)`` under ``fake``, built from
+    ``FakeTensorMode``'s cache entry when the arguments' metadata has been seen before."""
+
+    def __init__(self, fake: FakeTensorMode) -> None:
+        self.fake = fake
+        self._entries: dict[tuple[Any, ...], Any] = {}
+        self._cacheable: dict[Any, bool] = {}
+        self._aliasing: dict[Any, bool] = {}
+        self._make = _fast_fake_tensor if _fast_matches(fake) else _slow_fake_tensor
+
+    def call(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if func is _SELECT and not kwargs:
+            out = self._select(*args)
+            if out is not None:
+                return out
+        ok = self._cacheable.get(func)
+        if ok is None:
+            ok = self._cacheable[func] = (
+                self.fake.cache_enabled and self.fake.shape_env is None
+                and not any(t in func.tags for t in _UNCACHED_TAGS))
+        key = self._key(func, args, kwargs) if ok else None
+        if key is None:
+            return func(*args, **kwargs)
+        found = self._entries.get(key)
+        if found is None or found is _SEEN:
+            out = func(*args, **kwargs)
+            self._entries[key] = _SEEN if found is None else self._lookup_entry(
+                func, args, kwargs)
+            return out
+        if found is _NEVER:
+            return func(*args, **kwargs)
+        is_tuple, recipes = found
+        if is_tuple:
+            return tuple(self._output(r, args) for r in recipes)
+        return self._output(recipes[0], args)
+
+    def _output(self, recipe: tuple[Any, ...], args: tuple[Any, ...]) -> Any:
+        """``FakeTensorMode._get_output_tensor_from_cache_entry`` for shape_env None, from
+        the entry's fields laid out by ``_recipe``."""
+        inplace, view, shape, stride, dtype, grad, conj, neg, offset, device, value = recipe
+        if inplace >= 0:
+            return args[inplace]
+        if shape is None:
+            return value
+        with torch._C._DisableTorchDispatch():
+            empty = torch.empty_strided(shape, stride, dtype=dtype, device=_META,
+                                        requires_grad=grad)
+            if conj:
+                torch._C._set_conj(empty, True)
+            if neg:
+                torch._C._set_neg(empty, True)
+            if view >= 0:
+                empty.set_(args[view].untyped_storage(), offset, shape, stride)
+        return self._make(self.fake, empty, device)
+
+    def _select(self, t: Any, dim: Any, index: Any) -> Any:
+        """``t.select(dim, index)``, an RNN's ``x[t]``: a new key at every index, so never a
+        cache hit; worked out as torch's fake kernel (``meta_select``) does."""
+        if type(t) is not FakeTensor or type(dim) is not int or type(index) is not int \
+                or t.fake_mode is not self.fake or t.constant is not None \
+                or t.layout is not torch.strided or t.is_quantized or not t.dim():
+            return None
+        shape, stride = list(t.shape), list(t.stride())
+        dim = dim + len(shape) if dim < 0 else dim
+        if not 0 <= dim < len(shape):
+            return None
+        size = shape[dim]
+        index = index + size if index < 0 else index
+        if not 0 <= index < size:
+            return None  # the normal path raises torch's own error
+        offset = t.storage_offset() + index * stride[dim]
+        del shape[dim], stride[dim]
+        with torch._C._DisableTorchDispatch():
+            view = torch.empty((0,), dtype=t.dtype, device=_META)
+            view.set_(t.untyped_storage(), offset, shape, stride)
+        return self._make(self.fake, view, t.fake_device)
+
+    def _lookup_entry(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """``FakeTensorMode``'s entry for this call, made when it ran it (or _NEVER: it keeps
+        none, having found the op or its output not cacheable)."""
+        try:
+            ftm_key = self.fake._cache_key(_CacheKeyState(None), func, args, kwargs)
+        except (_BypassDispatchCache, TypeError):  # it would not cache this call either
+            return _NEVER
+        entry = FakeTensorMode.cache.get(ftm_key)
+        if not isinstance(entry, _DispatchCacheValidEntry) or not all(
+                _plain_info(i) for i in entry.output_infos):
+            return _NEVER
+        if not self._aliasing[func] and any(i.inplace_idx is not None or i.view_idx is not None
+                                            for i in entry.output_infos):
+            return _NEVER  # an output aliases an argument after all: keep the exact path
+        return entry.is_output_tuple, tuple(_recipe(i, func.is_view) for i in entry.output_infos)
+
+    def _key(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+             ) -> tuple[Any, ...] | None:
+        aliasing = self._aliasing.get(func)
+        if aliasing is None:
+            aliasing = self._aliasing[func] = func.is_view or any(
+                r.alias_info is not None for r in func._schema.returns)
+        key: list[Any] = [func, torch.get_default_dtype(), torch.is_inference_mode_enabled()]
+        if not self._describe(args, key, aliasing):
+            return None
+        if kwargs:
+            key.append(tuple(kwargs))
+            if not self._describe(tuple(kwargs.values()), key, aliasing):
+                return None
+        return tuple(key)
+
+    def _describe(self, args: tuple[Any, ...] | list[Any], key: list[Any], storage: bool
+                  ) -> bool:
+        """Append what ``FakeTensorMode``'s key holds for each argument (the storage offset
+        and size only when the output may alias an argument: fresh outputs do not depend
+        on them); False when one is not a plain fake tensor of this mode, a scalar or a flat
+        list of those."""
+        key.append(len(args))
+        for a in args:
+            if type(a) is FakeTensor:
+                if a.fake_mode is not self.fake or a.constant is not None \
+                        or a.layout is not torch.strided or a.is_quantized:
+                    return False
+                meta: tuple[Any, ...] = (a.shape, a.stride(), a.dtype, a.fake_device, a.requires_grad,
+                        a.is_conj(), a.is_neg(), a.is_inference())
+                if storage:
+                    meta += (a.storage_offset(), a.untyped_storage().nbytes())
+                key.append(meta)
+            elif isinstance(a, _SCALARS):
+                key.append((type(a), a))
+            elif isinstance(a, (list, tuple)):
+                key.append(type(a))
+                if any(isinstance(b, (list, tuple)) for b in a) \
+                        or not self._describe(a, key, storage):
+                    return False
+            else:
+                return False
+        return True
+
+
+class CachedOps(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Every op through ``cache`` (e.g. building a model on fake tensors: the same few init
+    ops, once per layer)."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # never compiled: spare every op torch's dynamo-disable wrapper
+
+    def __init__(self, cache: FakeOpCache) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.cache = cache
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        if func.namespace == "prim":
+            return func(*args, **(kwargs or {}))
+        return self.cache.call(func, args, kwargs or {})
+
+
+def _recipe(info: _DispatchCacheEntryOutputInfo, is_view: bool) -> tuple[Any, ...]:
+    """An entry's output, as the fields ``_output`` reads (-1: no such index)."""
+    inplace = -1 if info.inplace_idx is None else info.inplace_idx
+    md: Any = info.metadata
+    if md is None:
+        return (inplace, -1, None, None, None, False, False, False, 0, None,
+                info.constant_value)
+    view = int(info.view_idx) if is_view and info.view_idx is not None else -1
+    return (inplace, view, tuple(md.shape), tuple(md.stride), md.dtype, md.requires_grad,
+            md.is_conj, md.is_neg, md.storage_offset, md.device, None)
+
+
+def _plain_info(info: _DispatchCacheEntryOutputInfo) -> bool:
+    md = info.metadata
+    return md is None or (isinstance(md, TensorMetadata) and md.layout is torch.strided
+                          and all(type(v) is int for v in (*md.shape, *md.stride,
+                                                           md.storage_offset)))
+
+
+def fake_tensor(fake: FakeTensorMode, elem: torch.Tensor, device: torch.device,
+                requires_grad: bool = False) -> torch.Tensor:
+    """A fake tensor on ``device`` over the meta tensor ``elem`` (``FakeTensor(fake, elem,
+    device)``), a leaf that requires grad if asked."""
+    make = _fast_fake_tensor if _fast_matches(fake) else _slow_fake_tensor
+    out = make(fake, elem, device)
+    return out.requires_grad_() if requires_grad else out
+
+
+def _slow_fake_tensor(fake: FakeTensorMode, elem: torch.Tensor, device: torch.device
+                      ) -> torch.Tensor:
+    return FakeTensor(fake, elem, device)
+
+
+_PROTO: dict[str, Any] = {}
+
+
+def _fast_fake_tensor(fake: FakeTensorMode, elem: torch.Tensor, device: torch.device
+                      ) -> torch.Tensor:
+    """``FakeTensor(fake, elem, device)`` without its argument checks: the same subclass
+    call and the same attributes (``_fast_matches`` checks they are)."""
+    t = torch.Tensor._make_subclass(FakeTensor, elem, elem.requires_grad, dispatch_device=True,
+                                    device_for_backend_keys=device)
+    if fake._allow_unsafe_data_ptr_access:
+        torch._C._set_warn_deprecated_on_mutable_data_ptr(t)
+    else:
+        torch._C._set_throw_on_mutable_data_ptr(t)
+    state = t.__dict__
+    state.update(_PROTO)
+    state["_fake_device"] = device
+    state["fake_mode"] = fake
+    return t
+
+
+_CHECKED: list[bool] = []
+
+
+def _fast_matches(fake: FakeTensorMode) -> bool:
+    """Whether ``_fast_fake_tensor`` makes what ``FakeTensor`` makes in this torch (checked
+    once)."""
+    if not _CHECKED:
+        _CHECKED.append(_check_fast(fake))
+    return _CHECKED[0]
+
+
+def _check_fast(fake: FakeTensorMode) -> bool:
+    with torch._C._DisableTorchDispatch():
+        elem = torch.empty_strided((2, 3), (3, 1), device="meta")
+    ref = FakeTensor(fake, elem, torch.device("cpu"))
+    _PROTO.clear()
+    _PROTO.update({k: v for k, v in ref.__dict__.items() if k not in ("_fake_device",
+                                                                       "fake_mode")})
+    if any(v is not None for v in _PROTO.values()):
+        return False
+    fast = _fast_fake_tensor(fake, elem, torch.device("cpu"))
+    return (fast.__dict__ == ref.__dict__ and type(fast) is type(ref)
+            and str(torch._C._dispatch_keys(fast)) == str(torch._C._dispatch_keys(ref))
+            and fast.device == ref.device)

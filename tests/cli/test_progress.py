@@ -1,0 +1,34 @@
+"""The live status while a step is captured (issue 12, item 8): shown on a terminal, with the
+module calls counted so far; nothing on a pipe; the captured step is unchanged by it."""
+
+from __future__ import annotations
+
+import io
+
+from rich.console import Console
+
+import memplan
+from memplan.cli.progress import working
+from tests.small import small
+
+
+def test_status_counts_module_calls_on_a_terminal_and_leaves_the_step_unchanged() -> None:
+    w = small("resnet")
+    plain = memplan.capture(w)
+    screen = io.StringIO()
+    console = Console(file=screen, force_terminal=True, width=120)
+    with working(console, "capturing resnet") as say:
+        watched = memplan.capture(w)
+        say("planning")
+    assert watched.fingerprint == plain.fingerprint and watched.to_json() == plain.to_json()
+    shown = screen.getvalue()
+    assert "module calls" in shown and "planning" in shown
+    calls = int(shown.split("module calls: ")[-1].split()[0].replace(",", ""))
+    assert calls >= len({c.path for c in plain.module_calls})
+
+
+def test_no_status_on_a_pipe() -> None:
+    pipe = io.StringIO()
+    with working(Console(file=pipe, force_terminal=False), "capturing"):
+        memplan.capture(small("lstm"))
+    assert pipe.getvalue() == ""

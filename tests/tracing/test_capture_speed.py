@@ -1,0 +1,121 @@
+"""The fast capture path (FakeTensorMode's cache entries found by a cheaper key, Workloads built
+on the meta device) makes the same Graph as the reference path (every op through the fake
+mode), field by field, on models with repeated structure, closures, data-dependent ops,
+in-place views and HF layers; and it does skip the fake mode's dispatch. Timings live in
+benchmarks/capture.py, not here."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import fields
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from memplan.core.graph import Graph
+from memplan.tracing.capture import capture_target
+from memplan.tracing.step import Target, as_target
+from tests.builders import unet_inputs, unet_loss
+from tests.small import small
+from tests.tracing.test_user_models import (
+    InplaceOnViews,
+    LoopMoE,
+    MaskedMLP,
+    SparseRows,
+    _dice_like,
+    _hf_moe,
+)
+
+
+def _workload(name: str) -> Callable[[], Target]:
+    return lambda: as_target(small(name, dropout=0.1), (), None)
+
+
+def _closure() -> Target:
+    torch.manual_seed(0)
+    targets, weights = torch.tensor([0, 4, 1, 1, 3, 2]), torch.tensor([1.0, 2.0, 0.5, 1.0, 3.0])
+    return as_target(MaskedMLP(), (torch.randn(6, 16),),
+                     lambda out: F.cross_entropy(out, targets, weight=weights))
+
+
+def _data_dependent() -> Target:
+    torch.manual_seed(0)
+    edges = torch.tensor([[0, 1, 2, 3, 3, 5, 7, 9, 4], [0, 2, 2, 1, 4, 5, 8, 9, 6]])
+    return as_target(SparseRows(), (torch.randn(10, 8), edges), _dice_like)
+
+
+def _moe_loop() -> Target:
+    torch.manual_seed(1)
+    return as_target(LoopMoE(), (torch.randn(12, 8),), lambda out: out.square().mean())
+
+
+def _inplace_views() -> Target:
+    torch.manual_seed(0)
+    return as_target(InplaceOnViews(), (torch.randn(2, 4, 16),), lambda out: out.mean())
+
+
+def _unet() -> Target:
+    model, x = unet_inputs()
+    return as_target(model, (x,), unet_loss)
+
+
+def _hf_llama() -> Target:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=3, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=32)
+    model = transformers.LlamaForCausalLM(cfg).train()
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, :3] = 0
+    return as_target(model, (ids, mask), lambda out: out.logits.float().square().mean())
+
+
+def _hf_mixtral() -> Target:
+    ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(0))
+    return as_target(_hf_moe("mixtral"), (ids,), lambda out: out.logits.float().mean())
+
+
+CASES: dict[str, Callable[[], Target]] = {
+    "resnet": _workload("resnet"), "lstm": _workload("lstm"), "gpt": _workload("gpt"),
+    "closure": _closure, "data_dependent": _data_dependent, "moe_loop": _moe_loop,
+    "inplace_views": _inplace_views, "unet": _unet, "hf_llama": _hf_llama,
+    "hf_mixtral": _hf_mixtral,
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_fast_capture_equals_the_reference_path(case: str) -> None:
+    fast = capture_target(CASES[case](), fast=True)
+    slow = capture_target(CASES[case](), fast=False)
+    for f in fields(Graph):
+        assert getattr(fast, f.name) == getattr(slow, f.name), f.name
+    assert fast.fingerprint == slow.fingerprint
+    assert fast.to_json() == slow.to_json()
+
+
+def _fake_dispatches(target: Target, fast: bool) -> int:
+    calls = 0
+    dispatch = FakeTensorMode.dispatch
+
+    def counted(self: FakeTensorMode, *args: Any, **kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        return dispatch(self, *args, **kwargs)
+
+    FakeTensorMode.dispatch = counted  # type: ignore[method-assign]
+    try:
+        capture_target(target, fast=fast)
+    finally:
+        FakeTensorMode.dispatch = dispatch  # type: ignore[method-assign]
+    return calls
+
+
+def test_fast_path_skips_the_fake_mode_for_repeated_ops() -> None:
+    make = _workload("lstm")
+    slow, fast = _fake_dispatches(make(), fast=False), _fake_dispatches(make(), fast=True)
+    assert fast * 3 < slow, (fast, slow)
