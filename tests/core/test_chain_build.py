@@ -23,7 +23,8 @@ def reference_resident(graph: g.Graph) -> tuple[set[int], list[set[int]], dict[i
     leaves (the forward op it dies at when never saved and not shared; absent: never)."""
     shared = L.shared_values(graph.values, graph.ops, graph.module_calls)
     held = L.held_past_cuts(graph.values, graph.ops, [c.after for c in graph.cut_points])
-    calls = [i for i, c in enumerate(graph.cut_points) if c.kind == g.CALL]
+    outer = min((c.depth for c in graph.cut_points if c.kind == g.CALL), default=0)
+    calls = [i for i, c in enumerate(graph.cut_points) if c.kind == g.CALL and c.depth == outer]
     resident = (set(shared) | set(L.skip_values(graph.values, graph.ops, graph.module_calls))
                 | {v for v, (a, b) in held.items() if sum(a <= i <= b for i in calls) >= 2})
     live = [set(c.live) for c in graph.cut_points]
@@ -43,12 +44,15 @@ def reference_resident(graph: g.Graph) -> tuple[set[int], list[set[int]], dict[i
 
 
 def reference_clean_cuts(graph: g.Graph) -> list[int]:
-    _, live, _ = reference_resident(graph)
+    """By what restarting there reads: a cut's own live set, resident values excluded (values
+    only held across it count in its bytes, not here)."""
+    resident, _, _ = reference_resident(graph)
     chosen: list[int] = []
     prev_after = -1
     last = len(graph.cut_points) - 1
     for i, cut in enumerate(graph.cut_points):
-        if i == last or all(graph.values[v].producer > prev_after for v in live[i]):
+        reads = set(cut.live) - resident
+        if i == last or all(graph.values[v].producer > prev_after for v in reads):
             chosen.append(i)
             prev_after = cut.after
     return chosen

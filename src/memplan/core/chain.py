@@ -201,8 +201,12 @@ def _extract(graph: g.Graph) -> GraphArrays:
     timeline = int(nbytes[pre].sum()) + np.cumsum(born[:n_events]) - cum_died
     fwd_flops, bwd_flops = _ints(ops, "fwd_flops"), _ints(ops, "bwd_flops")
     resident, resident_end, cut_i, live = _resident(graph, death)
+    # Clean cuts (``clean_cuts``) by what restarting the forward there reads: values only
+    # held across a cut (``liveness.held_past_cuts``) count in its bytes, not in its live set.
+    read_i, read = _flat(cuts, "live")
+    keep = ~resident[read]
     min_prod = np.full(len(cuts), n_ops, dtype=np.int64)
-    np.minimum.at(min_prod, cut_i, producer[live])
+    np.minimum.at(min_prod, read_i[keep], producer[read[keep]])
     cut_bytes = np.zeros(len(cuts), dtype=np.int64)
     np.add.at(cut_bytes, cut_i, nbytes[live])
     return GraphArrays(
@@ -234,7 +238,11 @@ def _resident(graph: g.Graph, death: I64) -> tuple[npt.NDArray[np.bool_], I64, I
     values, ops, cuts = graph.values, graph.ops, graph.cut_points
     n_ops, nv = len(ops), len(values)
     held = held_past_cuts(values, ops, [c.after for c in cuts])
-    calls_before = np.concatenate(([0], np.cumsum([c.kind == g.CALL for c in cuts])))
+    # Held across two or more cuts between the outermost calls (layers, steps): a KV cache, a
+    # list of hidden states. Not an LSTM's state, held by the step after its own one longer.
+    outer = min((c.depth for c in cuts if c.kind == g.CALL), default=0)
+    calls_before = np.concatenate(([0], np.cumsum([c.kind == g.CALL and c.depth == outer
+                                                   for c in cuts])))
     resident = np.zeros(nv, dtype=np.bool_)
     shared = sorted(shared_values(values, ops, graph.module_calls))
     resident[shared] = True

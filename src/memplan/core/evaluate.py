@@ -11,15 +11,14 @@ The runtime (``memplan.runtime.replay``), as modelled here:
   counts from the first op that reads it (memplan's tracker sees it then).
 * Inside a scope (a region, or a drop-cheap stage; nested regions share their top scope's
   tape) autograd gets a handle instead of a value made in the same top scope; a value made
-  elsewhere is saved as it is. A tape keeps every outside tensor its ops read (a written one
-  as a copy) until its last handle is released; a drop-cheap tape keeps its expensive ops'
+  elsewhere is saved as it is. A tape keeps every outside tensor its ops read until its last
+  handle is released, and a copy of a written one until the forward's last tape goes; a drop-cheap tape keeps its expensive ops'
   outputs until it replays.
 * When backward first unpacks a handle (``Op.unpack_event``), its scope replays (a nested
   one after its parents): each replayed op makes new storages; one lives while a handle of
   it, a nested scope that takes it as input, or a later replayed op needs it, and an unneeded
   output until the next replayed op has run (the replay loop's own reference). An outside
-  tensor a replayed op writes is copied for the op; a region's BatchNorm statistics for its
-  whole replay (a unit re-run as a module call binds their copies up front).
+  tensor a replayed op writes is copied for the op.
 """
 
 from __future__ import annotations
@@ -174,7 +173,7 @@ class _Run:
 
     def _tape_reads(self) -> tuple[dict[int, list[_Scope]], list[tuple[int, _Scope, int]]]:
         """Outside tensors each top scope's tape keeps (value -> scopes), and the copies it
-        makes of written ones: (op, scope, bytes)."""
+        copies of written ones when it records them: (op, scope, bytes)."""
         kept: dict[int, list[_Scope]] = defaultdict(list)
         copies: list[tuple[int, _Scope, int]] = []
         values = self.g.values
@@ -184,15 +183,23 @@ class _Run:
                 continue
             root = sc.root
             op = self.g.ops[o]
-            written = self._written(o)
+            snapshot = self._snapshot(o)
             for vid in op.inputs:
                 if self._root_of_value(vid) is root:
                     continue
-                if vid in written and values[vid].kind not in (g.PARAMETER, g.BUFFER):
+                if vid in snapshot:
                     copies.append((o, root, values[vid].nbytes))
                 elif values[vid].kind in (g.ACTIVATION, g.BACKWARD, g.EXTERNAL, g.INPUT):
                     kept[vid].append(root)
         return kept, copies
+
+    def _snapshot(self, o: int) -> set[int]:
+        """Values op ``o`` writes that the tape copies when it records the op: all it writes
+        but a batch norm's running statistics (written only, never read back)."""
+        op = self.g.ops[o]
+        if "batch_norm" in op.target:
+            return {v for v in op.mutated if self.g.values[v].kind != g.BUFFER}
+        return set(op.mutated)
 
     def _written(self, o: int) -> set[int]:
         """Values op ``o`` writes, as the runtime sees them (batch norm writes its running
@@ -250,8 +257,10 @@ class _Run:
                 end = max(end, timeline.replay_end(held_by.index) if held_by.index in trigger
                           else m[tape_death[held_by.index]])
             intervals.append((birth, end, v.nbytes))
-        for o, root, nbytes in record_copies:
-            intervals.append((m[o], m[tape_death[root.index]], nbytes))
+        # The copies live in one table shared by the forward's tapes: until the last one goes.
+        last_tape = max(tape_death.values(), default=0)
+        for o, _, nbytes in record_copies:
+            intervals.append((m[o], m[last_tape], nbytes))
         for sc in self.scopes:
             if sc.index in trigger and alive[sc.index]:
                 intervals += self._replay(sc, timeline)
@@ -286,16 +295,12 @@ class _Run:
             handle_release[vid] = max(handle_release.get(vid, -1), self._release(o))
         stash_until = self._stash_holds(sc, tl)
         out: list[tuple[int, int, int]] = []
-        whole = (tl.replay_moments(sc.index, 0)[1], tl.replay_moments(sc.index, len(ops) - 1)[0])
         for i, o in enumerate(ops):
             main, pre = tl.replay_moments(sc.index, i)
             for vid in self._written(o):
                 if self._root_of_value(vid) is not root:
                     nxt = tl.replay_moments(sc.index, i + 1) if i + 1 < len(ops) else None
-                    span = (pre, nxt[1] if nxt else main)
-                    if sc.kind == "region" and values[vid].kind == g.BUFFER:
-                        span = whole  # a unit's replay binds its statistics' copies up front
-                    out.append((*span, values[vid].nbytes))
+                    out.append((pre, nxt[1] if nxt else main, values[vid].nbytes))
             for vid in self.g.ops[o].outputs:
                 end = tl.replay_moments(sc.index, i + 1)[0] if i + 1 < len(ops) else main
                 if vid in last_read and last_read[vid] > i:

@@ -171,15 +171,17 @@ def shared_values(
     """Activations made once and handed to many module calls: rotary cos/sin tables, a
     materialised attention mask, T5's position bias, DenseNet's features. A value is shared
     when ops inside at least two distinct module calls read it, counting for each reading op
-    the outermost call around it that does not contain the value's producer. A residual
-    stream (read inside one layer) and a U-Net skip (read where the skips are joined) are not.
+    the outermost call around it that does not contain the value's producer, and at least two
+    of those calls diverging from the producer's at the same depth. A residual stream (read
+    inside one layer), a U-Net skip (read where the skips are joined) and a recurrent state
+    (read by the next layer and by the next step) are not.
 
     Such values are resident from creation to their last use whatever the plan does (each
     layer reads them; the runtime keeps them as a tape's outside input), so the chain counts
     them like parameters and never lets them decide where a boundary may go.
     """
     chains = _call_chains(len(ops), tuple(c for c in calls if not c.leaf))
-    found: dict[int, set[int]] = {}
+    found: dict[int, dict[int, set[int]]] = {}
     for op in ops:
         for vid in op.inputs:
             v = values[vid]
@@ -190,8 +192,11 @@ def shared_values(
             while k < len(reader) and k < len(maker) and reader[k] == maker[k]:
                 k += 1
             if k < len(reader):
-                found.setdefault(vid, set()).add(reader[k])
-    return frozenset(vid for vid, outer in found.items() if len(outer) >= 2)
+                found.setdefault(vid, {}).setdefault(k, set()).add(reader[k])
+    # Two reading calls at one depth below the producer's (layers of one model), not one at
+    # each (an LSTM cell's h, read by the next layer of its step and by the next step).
+    return frozenset(vid for vid, by_depth in found.items()
+                     if any(len(outer) >= 2 for outer in by_depth.values()))
 
 
 def skip_values(

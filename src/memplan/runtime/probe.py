@@ -98,15 +98,24 @@ _NORM_STATS = ("running_mean", "running_var", "num_batches_tracked")
 def _calls(model: nn.Module, calls: list[tuple[str, int, int, int]], count: _Count
            ) -> list[U.Call]:
     """Module calls of the fake forward; safe when none of its ops writes a tensor made
-    before the call (BatchNorm statistics excepted). Calls of the root and of modules with
-    their own instance forward are never units."""
+    before the call (BatchNorm statistics excepted). Calls of the root, of modules with
+    their own instance forward, of leaf modules (one op or few: the tape costs no more) and
+    of modules holding a BatchNorm are never units: a unit's replay binds copies of the
+    running statistics for the whole call where the plan's model (``core.evaluate``) holds
+    each for its op, and the step's peak must stay the plan's to the byte."""
     out = []
     for path, number, start, end in calls:
-        if not path or "forward" in model.get_submodule(path).__dict__:
+        if not path or not _may_be_unit(model.get_submodule(path)):
             continue
         safe = all(count.outside[i] >= start for i in range(start, end))
         out.append(U.Call(path, number, start, end, safe))
     return out
+
+
+def _may_be_unit(mod: nn.Module) -> bool:
+    if "forward" in mod.__dict__ or next(mod.children(), None) is None:
+        return False
+    return not any(isinstance(m, nn.modules.batchnorm._NormBase) for m in mod.modules())
 
 
 class _Count(TorchDispatchMode):  # type: ignore[no-untyped-call]
