@@ -55,6 +55,10 @@ class _OpRec:
 
 
 _PRIM_DEVICE = torch.ops.prim.device.default
+# In-place ops whose backward reads none of their tensor arguments (derivatives.yaml).
+_SAVE_NOTHING = frozenset(f"aten.{name}" for name in (
+    "copy_.default", "fill_.Scalar", "fill_.Tensor", "zero_.default", "add_.Tensor",
+    "add_.Scalar", "sub_.Tensor", "sub_.Scalar", "mul_.Scalar", "div_.Scalar"))
 
 
 class StepTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
@@ -342,6 +346,13 @@ class StepTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 a for a in dir(node) if a.startswith("_saved_")
             )
         saved = self.ops[index].saved
+        op = self.ops[index]
+        if type(node).__name__ == "CopySlices" and op.target not in _SAVE_NOTHING:
+            # An in-place op on a view: its own node is inside CopySlices, which shows none of
+            # its saves (relu_ and leaky_relu_ save their result, masked_fill_ its mask): count
+            # every tensor it reads as saved (at worst kept longer than needed, never shorter).
+            saved.extend(v for v in op.inputs
+                         if self.values[v].kind not in (g.PARAMETER, g.BUFFER) and v not in saved)
         with self.paused():
             for name in names:
                 try:
