@@ -12,14 +12,16 @@ The runtime (``memplan.runtime.replay``), as modelled here:
 * Inside a scope (a region, or a drop-cheap stage; nested regions share their top scope's
   tape) autograd gets a handle instead of a value made in the same top scope; a value made
   elsewhere is saved as it is. A tape keeps every outside tensor its ops read (a written one
-  as a copy) until its last handle is released; a drop-cheap tape keeps its expensive ops'
-  outputs until it replays.
+  as a copy, held by every tape that read it before the write) until its last handle is
+  released; a drop-cheap tape keeps its expensive ops' outputs until it replays.
 * When backward first unpacks a handle (``Op.unpack_event``), its scope replays (a nested
   one after its parents): each replayed op makes new storages; one lives while a handle of
   it, a nested scope that takes it as input, or a later replayed op needs it, and an unneeded
   output until the next replayed op has run (the replay loop's own reference). An outside
-  tensor a replayed op writes is copied for the op; a region's BatchNorm statistics for its
-  whole replay (a unit re-run as a module call binds their copies up front).
+  tensor a replayed op writes, or reads after a later write changed it, is copied for the op,
+  and the copy lives while the replay uses it (its later readers, saves of it); a region's
+  BatchNorm statistics for its whole replay (a unit re-run as a module call binds their
+  copies up front).
 """
 
 from __future__ import annotations
