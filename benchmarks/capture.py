@@ -2,10 +2,12 @@
 and LSTM (T=1024, T=2048), wall and process CPU seconds, each run in a fresh process (the fake
 mode's cache is process-wide), 1 thread, interleaved with the reference path (every op through
 the fake mode, ``--reference``), medians; the load average beside each figure. Both paths must
-give the same graph fingerprint.
+give the same graph fingerprint. ``--src`` times other source trees too, interleaved (e.g. a
+worktree of an older commit: ``--src src,/work/wt/old/src``; the fast path only, through the
+public ``memplan.capture``, which every layout has).
 
     .venv/bin/python benchmarks/capture.py [--models resnet1000,lstm1024] [--repeat 3]
-        [--reference] [--out capture.json]
+        [--reference] [--src src,OTHER/src] [--out capture.json]
 """
 
 from __future__ import annotations
@@ -28,20 +30,25 @@ _RUN = """
 import json, os, time, torch
 torch.set_num_threads(1)
 import memplan
-from memplan.tracing.capture import capture_target
-from memplan.tracing.step import as_target
 w = memplan.models.get({name!r}, **{params!r})
 wall, cpu = time.perf_counter(), time.process_time()
-g = capture_target(as_target(w, (), None), fast={fast!r})
+if {fast!r}:
+    g = memplan.capture(w)
+else:
+    from memplan.tracing.capture import capture_target
+    from memplan.tracing.step import as_target
+    g = capture_target(as_target(w, (), None), fast=False)
 print(json.dumps({{"wall_s": time.perf_counter() - wall, "cpu_s": time.process_time() - cpu,
                   "fingerprint": g.fingerprint, "ops": len(g.ops),
                   "backward_ops": len(g.backward_ops), "load": os.getloadavg()[0]}}))
 """
 
 
-def run_once(model: str, fast: bool) -> dict[str, Any]:
+def run_once(model: str, fast: bool, src: str | None = None) -> dict[str, Any]:
     name, params = MODELS[model]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if src is not None:
+        env["PYTHONPATH"] = os.path.abspath(src)
     done = subprocess.run([sys.executable, "-c", _RUN.format(name=name, params=params, fast=fast)],
                           capture_output=True, text=True, check=True, env=env)
     return dict(json.loads(done.stdout.strip().splitlines()[-1]))
@@ -52,14 +59,21 @@ def main() -> None:
     ap.add_argument("--models", default="resnet1000,lstm1024")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--reference", action="store_true", help="also time the reference path")
+    ap.add_argument("--src", default=None, help="source trees to time, comma-separated")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    srcs = args.src.split(",") if args.src else [None]
     rows = []
     for model in args.models.split(","):
-        runs: dict[str, list[dict[str, Any]]] = {"fast": [], "reference": []}
+        runs: dict[str, list[dict[str, Any]]] = {}
         for _ in range(args.repeat):
-            for path in ("fast", "reference") if args.reference else ("fast",):
-                runs[path].append(run_once(model, path == "fast"))
+            for src in srcs:
+                for path in ("fast", "reference") if args.reference else ("fast",):
+                    label = path if src is None else f"{path} {src}"
+                    r = run_once(model, path == "fast", src)
+                    runs.setdefault(label, []).append(r)
+                    print(f"  {model} {label}: wall {r['wall_s']:.2f} s, cpu {r['cpu_s']:.2f} s, "
+                          f"load {r['load']:.1f}", flush=True)
         for path, got in runs.items():
             if not got:
                 continue
@@ -70,7 +84,7 @@ def main() -> None:
                    "fingerprint": sorted({r["fingerprint"] for r in got}),
                    "ops": got[0]["ops"], "backward_ops": got[0]["backward_ops"]}
             rows.append(row)
-            print(f"{model:11s} {path:9s} wall {row['wall_s']:7.2f} s  cpu {row['cpu_s']:7.2f} s"
+            print(f"{model:11s} {path} wall {row['wall_s']:7.2f} s  cpu {row['cpu_s']:7.2f} s"
                   f"  load {row['load']}  fingerprint {row['fingerprint']}", flush=True)
     if args.out:
         with open(args.out, "w") as fh:

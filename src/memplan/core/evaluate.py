@@ -11,14 +11,17 @@ The runtime (``memplan.runtime.replay``), as modelled here:
   counts from the first op that reads it (memplan's tracker sees it then).
 * Inside a scope (a region, or a drop-cheap stage; nested regions share their top scope's
   tape) autograd gets a handle instead of a value made in the same top scope; a value made
-  elsewhere is saved as it is. A tape keeps every outside tensor its ops read until its last
-  handle is released, and a copy of a written one until the forward's last tape goes; a drop-cheap tape keeps its expensive ops'
-  outputs until it replays.
+  elsewhere is saved as it is. A tape keeps every outside tensor its ops read (a written one
+  as a copy, held by every tape that read it before the write) until its last handle is
+  released; a drop-cheap tape keeps its expensive ops' outputs until it replays.
 * When backward first unpacks a handle (``Op.unpack_event``), its scope replays (a nested
   one after its parents): each replayed op makes new storages; one lives while a handle of
   it, a nested scope that takes it as input, or a later replayed op needs it, and an unneeded
   output until the next replayed op has run (the replay loop's own reference). An outside
-  tensor a replayed op writes is copied for the op.
+  tensor a replayed op writes, or reads after a later write changed it, is copied for the op,
+  and the copy lives while the replay uses it (its later readers, saves of it); a region's
+  BatchNorm statistics for its whole replay (a unit re-run as a module call binds their
+  copies up front).
 """
 
 from __future__ import annotations
@@ -104,6 +107,7 @@ class _Run:
         self.scope_of_op: list[_Scope | None] = [None] * self.n
         self._scopes(plan)
         self.expensive = [is_expensive(op.target) for op in graph.ops]
+        self._last_writes: dict[int, int] | None = None
         self.savers: dict[int, list[int]] = defaultdict(list)
         for op in graph.ops:
             for vid in op.saved:
@@ -171,10 +175,11 @@ class _Run:
                     native[vid] = max(native.get(vid, -1), self._release(o))
         return native
 
-    def _tape_reads(self) -> tuple[dict[int, list[_Scope]], list[tuple[int, _Scope, int]]]:
-        """Outside tensors each top scope's tape keeps (value -> scopes), and the copies it
-        copies of written ones when it records them: (op, scope, bytes)."""
-        kept: dict[int, list[_Scope]] = defaultdict(list)
+    def _tape_reads(self) -> tuple[dict[int, list[tuple[_Scope, int]]],
+                                   list[tuple[int, _Scope, int]]]:
+        """Outside tensors each top scope's tape keeps (value -> (scope, first reading op)),
+        and the copies it makes of written ones: (op, scope, value)."""
+        kept: dict[int, list[tuple[_Scope, int]]] = defaultdict(list)
         copies: list[tuple[int, _Scope, int]] = []
         values = self.g.values
         for o in range(self.n_model):
@@ -183,23 +188,16 @@ class _Run:
                 continue
             root = sc.root
             op = self.g.ops[o]
-            snapshot = self._snapshot(o)
+            written = self._written(o)
             for vid in op.inputs:
                 if self._root_of_value(vid) is root:
                     continue
-                if vid in snapshot:
-                    copies.append((o, root, values[vid].nbytes))
-                elif values[vid].kind in (g.ACTIVATION, g.BACKWARD, g.EXTERNAL, g.INPUT):
-                    kept[vid].append(root)
+                if vid in written and values[vid].kind not in (g.PARAMETER, g.BUFFER):
+                    copies.append((o, root, vid))
+                elif values[vid].kind in (g.ACTIVATION, g.BACKWARD, g.EXTERNAL, g.INPUT) \
+                        and not any(r is root for r, _ in kept[vid]):
+                    kept[vid].append((root, o))
         return kept, copies
-
-    def _snapshot(self, o: int) -> set[int]:
-        """Values op ``o`` writes that the tape copies when it records the op: all it writes
-        but a batch norm's running statistics (written only, never read back)."""
-        op = self.g.ops[o]
-        if "batch_norm" in op.target:
-            return {v for v in op.mutated if self.g.values[v].kind != g.BUFFER}
-        return set(op.mutated)
 
     def _written(self, o: int) -> set[int]:
         """Values op ``o`` writes, as the runtime sees them (batch norm writes its running
@@ -243,24 +241,25 @@ class _Run:
                 birth = m[first_read[v.id]]  # a tensor from outside the step: seen from then
             if v.kind != g.ACTIVATION or v.producer < 0:  # a tape may keep it longer
                 end = max([at(v.death)] + [m[tape_death[root.index]]
-                                           for root in tape_kept.get(v.id, ())])
+                                           for root, _ in tape_kept.get(v.id, ())])
                 intervals.append((birth, end, v.nbytes))
                 continue
             death = _earlier(v.death_unsaved, v.death)
             end = at(death)
             if v.id in native:
                 end = max(end, m[native[v.id]])
-            for root in tape_kept.get(v.id, ()):
+            for root, _ in tape_kept.get(v.id, ()):
                 end = max(end, m[tape_death[root.index]])
             held_by = self._root_of_value(v.id) if self._held(v.id) else None
             if held_by is not None:
                 end = max(end, timeline.replay_end(held_by.index) if held_by.index in trigger
                           else m[tape_death[held_by.index]])
             intervals.append((birth, end, v.nbytes))
-        # The copies live in one table shared by the forward's tapes: until the last one goes.
-        last_tape = max(tape_death.values(), default=0)
-        for o, _, nbytes in record_copies:
-            intervals.append((m[o], m[last_tape], nbytes))
+        for o, root, vid in record_copies:
+            # One copy, held by every tape that read the value before the write.
+            readers = [r for r, first in tape_kept.get(vid, ()) if first < o]
+            intervals.append((m[o], max(m[tape_death[r.index]] for r in [root, *readers]),
+                              self.g.values[vid].nbytes))
         for sc in self.scopes:
             if sc.index in trigger and alive[sc.index]:
                 intervals += self._replay(sc, timeline)
@@ -295,12 +294,31 @@ class _Run:
             handle_release[vid] = max(handle_release.get(vid, -1), self._release(o))
         stash_until = self._stash_holds(sc, tl)
         out: list[tuple[int, int, int]] = []
+        whole = (tl.replay_moments(sc.index, 0)[1], tl.replay_moments(sc.index, len(ops) - 1)[0])
+        in_replay = set(ops)
         for i, o in enumerate(ops):
             main, pre = tl.replay_moments(sc.index, i)
-            for vid in self._written(o):
+            nxt = tl.replay_moments(sc.index, i + 1) if i + 1 < len(ops) else None
+            written = self._written(o)
+            for vid in written:
                 if self._root_of_value(vid) is not root:
-                    nxt = tl.replay_moments(sc.index, i + 1) if i + 1 < len(ops) else None
-                    out.append((pre, nxt[1] if nxt else main, values[vid].nbytes))
+                    span = (pre, nxt[1] if nxt else main)
+                    if values[vid].kind == g.BUFFER:
+                        if sc.kind == "region":
+                            span = whole  # a unit's replay binds its statistics' copies up front
+                    elif values[vid].kind != g.PARAMETER:
+                        span = (pre, max(span[1], self._copy_end(vid, i, ops, in_replay, tl,
+                                                                 sc.index)))
+                    out.append((*span, values[vid].nbytes))
+            for vid in self.g.ops[o].inputs:
+                if vid not in written and self._root_of_value(vid) is not root \
+                        and values[vid].kind not in (g.PARAMETER, g.BUFFER) \
+                        and self._last_write().get(vid, -1) > o:
+                    # Read at a version changed since: replay reads a copy of the value it
+                    # had (``replay._ext_value``), which lives while what it made from it does.
+                    out.append((pre, max(nxt[1] if nxt else main,
+                                         self._copy_end(vid, i, ops, in_replay, tl, sc.index)),
+                                values[vid].nbytes))
             for vid in self.g.ops[o].outputs:
                 end = tl.replay_moments(sc.index, i + 1)[0] if i + 1 < len(ops) else main
                 if vid in last_read and last_read[vid] > i:
@@ -313,6 +331,32 @@ class _Run:
                     end = max(end, stash_until[vid])
                 out.append((main, end, values[vid].nbytes))
         return out
+
+    def _copy_end(self, vid: int, i: int, ops: list[int], in_replay: set[int], tl: _Timeline,
+                  scope: int) -> int:
+        """Until when a replay holds its copy of outside value ``vid`` made for its ``i``-th
+        op: the copy stands in for the value in the replay (views of it, in-place results),
+        so it lives until the replay's last reader of the value and the release of the saves
+        of it by replayed ops (autograd saves the view the tape made, a handle)."""
+        end = -1
+        for j in range(len(ops) - 1, i, -1):
+            if vid in self.g.ops[ops[j]].inputs:
+                end = (tl.replay_moments(scope, j + 1)[1] if j + 1 < len(ops)
+                       else tl.replay_moments(scope, j)[0])
+                break
+        releases = [self._release(o) for o in self.savers.get(vid, ()) if o in in_replay]
+        if releases:
+            end = max(end, tl.moment_of_event[max(releases)])
+        return end
+
+    def _last_write(self) -> dict[int, int]:
+        """The last forward op writing each value."""
+        if self._last_writes is None:
+            self._last_writes = {}
+            for o in range(self.n):
+                for vid in self._written(o):
+                    self._last_writes[vid] = o
+        return self._last_writes
 
     def _stash_holds(self, sc: _Scope, tl: _Timeline) -> dict[int, int]:
         """Values made in ``sc`` before a nested scope starts that the nested scope (or one

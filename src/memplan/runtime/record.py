@@ -101,6 +101,9 @@ class StepState:
         self.top: Scope | None = None
         self.scopes: dict[int, Scope] = {}  # template index -> instance (this forward)
         self.unit: _Unit | None = None
+        # This forward's tapes, and its copies of outside tensors taken before a write (each
+        # held by the tapes that read the tensor: see Tape.keep_before_write).
+        self.tapes: list[Tape] = []
         self.snaps: dict[tuple[Any, ...], torch.Tensor] = {}
         self.recorded_ops = 0  # tape entries (ops and units) this forward
         self.units_run = 0
@@ -127,6 +130,7 @@ class StepState:
         self.close_top()
         self._set(False, False)
         self.scopes.clear()  # from now on only autograd's handles keep scopes alive
+        self.tapes = []
         self.snaps = {}
 
     def on_call_end(self, path: str) -> None:
@@ -179,7 +183,11 @@ class StepState:
         if s is not None:
             return s
         parent = self.scope_for(t.parent) if t.parent is not None else None
-        tape = Tape(self.snaps, self.namer) if parent is None else parent.tape
+        if parent is None:
+            tape = Tape({}, self.namer)
+            self.tapes.append(tape)
+        else:
+            tape = parent.tape
         s = Scope(t, parent, tape, len(tape.entries), rng_state())
         if parent is not None:
             parent.children.append(weakref.ref(s))
@@ -225,6 +233,7 @@ class StepState:
                 _note_input(scope, pos)
             else:
                 entry.leaves.append(Ext(leaf, leaf._version, READ))
+                tape.note_outside(leaf)
         entry.refs = tuple(refs)
         entry.grad_enabled = torch.is_grad_enabled()
         entry.autocast = autocast_state()
@@ -295,8 +304,10 @@ class StepState:
         e = len(tape.entries)
         writes = written_tensors(func, args, kwargs)
         written = {id(t): mode for t, mode in writes}
-        if writes and tape.outside:
-            tape.keep_before_write([t for t, _ in writes])
+        if writes:
+            for other in self.tapes:  # this tape and earlier ones that read what it writes
+                if other.outside:
+                    other.keep_before_write([t for t, _ in writes], self.snaps)
         flat, spec = flatten_args(args, kwargs)
         leaves: list[Any] = []
         refs: list[Pos] = []
@@ -314,8 +325,11 @@ class StepState:
             if mode == SNAPSHOT:
                 # An outside tensor written in place: replay reads its value from before,
                 # and so does every earlier read of it at that version.
-                snap = leaf.detach().clone()
-                tape.snaps[(storage_key(leaf), leaf._version)] = snap
+                key = (storage_key(leaf), leaf._version)
+                snap = self.snaps.get(key)
+                if snap is None:
+                    snap = self.snaps[key] = leaf.detach().clone()
+                tape.snaps[key] = snap
                 leaves.append(Ext(snap, -1, SNAPSHOT))
             else:
                 leaves.append(Ext(leaf, leaf._version, mode))

@@ -179,14 +179,20 @@ class Tape:
     def note_outside(self, t: torch.Tensor) -> None:
         self.outside.setdefault(t.untyped_storage()._cdata, []).append(t)
 
-    def keep_before_write(self, written: list[torch.Tensor]) -> None:
+    def keep_before_write(self, written: list[torch.Tensor],
+                          copies: dict[tuple[Any, ...], torch.Tensor]) -> None:
         """An op is about to write ``written``: keep a copy of each outside tensor the tape
-        read that shares its storage, at the version read, for replay (``replay._ext_value``)."""
+        read that shares its storage, at the version read, for replay (``replay._ext_value``).
+        ``copies``: the forward's, one per (tensor, version), shared by the tapes that read it;
+        each tape holds it as long as the tape lives, and no longer."""
         for w in written:
             for t in self.outside.get(w.untyped_storage()._cdata, ()):
                 key = (storage_key(t), t._version)
                 if key not in self.snaps:
-                    self.snaps[key] = t.detach().clone()
+                    snap = copies.get(key)
+                    if snap is None:
+                        snap = copies[key] = t.detach().clone()
+                    self.snaps[key] = snap
 
 
 def storage_key(t: torch.Tensor) -> tuple[Any, ...]:

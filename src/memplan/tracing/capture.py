@@ -9,7 +9,7 @@ import torch
 
 from memplan.core import graph as g
 from memplan.core.liveness import cut_points
-from memplan.tracing.step import LossFn, StepResult, Target, as_target, no_cyclic_gc, run_step
+from memplan.tracing.step import LossFn, Target, as_target, no_cyclic_gc, run_step
 from memplan.tracing.tracer import StepTracer
 
 
@@ -33,32 +33,12 @@ def capture_target(target: Target, device: str | None = None, fast: bool = True)
         n = tracer.model_ops
         forward = g.ForwardSpec(n, g.forward_fingerprint([o.target for o in tracer.ops[:n]]),
                                 tuple(result.input_specs), autocast_state(), result.notes)
-        unsaved = unsaved_deaths(tracer, run_step(target, simulate=True, record=False,
-                                                  device=device, fast=fast, save=False))
-        graph = build_graph(tracer, target.name, result.output_ids, forward, unsaved)
+        graph = build_graph(tracer, target.name, result.output_ids, forward, tracer.user_deaths)
         del result, tracer
     # One full pass now, over the Graph and whatever the step left: the collector would
     # otherwise make it during planning (all of it is in the youngest generation).
     gc.collect()
     return graph
-
-
-def unsaved_deaths(tracer: StepTracer, unsaved: StepResult) -> dict[int, int]:
-    """Value id -> its death in the forward run that saved nothing (``run_step(save=False)``),
-    for values that died there before the forward's end; matched by the op that made them
-    and their place among its outputs. A run that differs (another op count) gives nothing."""
-    other = unsaved.tracer
-    if len(other.made) != len(tracer.made):
-        return {}
-    out: dict[int, int] = {}
-    for mine, theirs in zip(tracer.made, other.made):
-        if len(mine) != len(theirs):
-            return {}
-        for vid, uid in zip(mine, theirs):
-            death = other.values[uid].death
-            if uid not in unsaved.alive_after_forward and death is not None:
-                out[vid] = death
-    return out
 
 
 def autocast_state() -> dict[str, str]:

@@ -86,15 +86,6 @@ class StepResult:
     output_ids: tuple[int, ...]
     input_specs: list[dict[str, Any]]
     notes: tuple[str, ...] = ()  # assumptions the step was captured under (``datadep``)
-    alive_after_forward: frozenset[int] = frozenset()  # value ids (``save=False`` only)
-
-
-def _dropped(t: torch.Tensor) -> None:
-    return None
-
-
-def _never_unpacked(obj: None) -> torch.Tensor:
-    raise AssertionError("memplan: a forward run with save=False has no backward")
 
 
 @contextlib.contextmanager
@@ -120,15 +111,15 @@ def _fake_mode(simulate: bool) -> Iterator[FakeTensorMode | None]:
 
 
 def run_step(target: Target, *, simulate: bool, record: bool, device: str | None = None,
-             fast: bool = True, save: bool = True) -> StepResult:
+             fast: bool = True) -> StepResult:
     """One forward+loss+backward under a tracer. Fake tensors when ``simulate``; ops whose
     output depends on tensor data are then sized from one real forward (``datadep``).
     ``fast=False`` runs every op through the fake mode itself and builds a Workload on fake
-    tensors (the reference the fast path is tested against: the same Graph). With
-    ``save=False``: forward and loss only, with autograd keeping nothing it would save (a
-    saved-tensor hook drops it), so each value dies when the user's code drops it."""
+    tensors (the reference the fast path is tested against: the same Graph). A recorded fake
+    step hands autograd proxies of what it saves (``StepTracer.pack``), so each value's
+    death in the user's code is seen too (``Value.death_unsaved``)."""
     if not simulate:
-        return _run_step(target, None, record, device, fast, save)
+        return _run_step(target, None, record, device, fast)
 
     def real() -> None:
         model, inputs = _materialise(target, device)
@@ -136,7 +127,7 @@ def run_step(target: Target, *, simulate: bool, record: bool, device: str | None
 
     try:
         result: StepResult = run_with_oracle(
-            lambda oracle: _run_step(target, oracle, record, device, fast, save), real)
+            lambda oracle: _run_step(target, oracle, record, device, fast), real)
         return result
     except MemplanError:
         raise
@@ -167,7 +158,7 @@ class _Step:
 
 
 def _run_step(target: Target, oracle: Oracle | None, record: bool, device: str | None,
-              fast: bool, save: bool) -> StepResult:
+              fast: bool) -> StepResult:
     simulate = oracle is not None
     meta_model = None
     if simulate and fast and target.workload is not None:
@@ -190,11 +181,11 @@ def _run_step(target: Target, oracle: Oracle | None, record: bool, device: str |
             tracer.register(b, g.BUFFER)
         for x in _tensors(step.inputs):
             tracer.register(x, g.INPUT)
-        drop = (contextlib.nullcontext() if save
-                else torch.autograd.graph.saved_tensors_hooks(_dropped, _never_unpacked))
-        alive: frozenset[int] = frozenset()
+        saves: Any = contextlib.nullcontext()
+        if record and fake is not None:  # saves apart from their values: tracer.pack
+            saves = torch.autograd.graph.saved_tensors_hooks(tracer.pack, tracer.unpack)
         with module_hooks(tracer, step.model) if record else contextlib.nullcontext(), tracer:
-            with drop:
+            with saves:
                 tracer.in_model = True
                 out = step.call(*step.inputs)
                 tracer.in_model = False
@@ -205,10 +196,7 @@ def _run_step(target: Target, oracle: Oracle | None, record: bool, device: str |
             output_ids = tuple(
                 i for i in (tracer._lookup(t) for t in _tensors((out, loss))) if i is not None
             )
-            if save:
-                loss.backward()  # type: ignore[no-untyped-call]
-            else:
-                alive = frozenset(v.id for v in tracer.values if v.death is None)
+            loss.backward()  # type: ignore[no-untyped-call]
         param_list = list(step.params.values())
         for p in param_list:
             if p.grad is not None:
@@ -218,8 +206,7 @@ def _run_step(target: Target, oracle: Oracle | None, record: bool, device: str |
         del out, loss
         tracer.close()
         notes = oracle.notes() if oracle is not None else ()
-        return StepResult(tracer, param_list, output_ids, input_specs(step.inputs), notes,
-                          alive)
+        return StepResult(tracer, param_list, output_ids, input_specs(step.inputs), notes)
 
 
 def _prepare(target: Target, fake: FakeTensorMode | None, meta_model: nn.Module | None,

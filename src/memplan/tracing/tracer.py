@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from memplan.core import graph as g
 from memplan.tracing.datadep import Oracle
-from memplan.tracing.opcache import FakeOpCache
+from memplan.tracing.opcache import FakeOpCache, fake_tensor
 from memplan.tracing.opinfo import OpInfo, op_info, shape_key, tensors_of
 
 
@@ -55,6 +55,10 @@ class _OpRec:
 
 
 _PRIM_DEVICE = torch.ops.prim.device.default
+# In-place ops whose backward reads none of their tensor arguments (derivatives.yaml).
+_SAVE_NOTHING = frozenset(f"aten.{name}" for name in (
+    "copy_.default", "fill_.Scalar", "fill_.Tensor", "zero_.default", "add_.Tensor",
+    "add_.Scalar", "sub_.Tensor", "sub_.Scalar", "mul_.Scalar", "div_.Scalar"))
 
 
 class StepTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
@@ -100,7 +104,13 @@ class StepTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self._flops: dict[tuple[Any, ...], int] = {}
         self._constants: list[torch.Tensor] = []  # fake copies of real tensors the step reads
         self._saved_names: dict[type, tuple[str, ...]] = {}
-        self.made: list[list[int]] = []  # per forward op: the storages it made (value ids)
+        # Saves split from their values (``pack``): per value, its save proxies alive, whether
+        # its own storage died, and the forward event at which it did (``user_deaths``).
+        self._proxies: dict[int, int] = {}
+        self._proxy_watch: dict[weakref.ref[Any], tuple[int, int]] = {}
+        self._orphaned: set[int] = set()
+        self._packed: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[torch.Tensor]]] = {}
+        self.user_deaths: dict[int, int] = {}
 
     # --- storages ----------------------------------------------------------------------------
 
@@ -148,11 +158,69 @@ class StepTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
             if self._by_storage.get(key) is not None:
                 del self._by_storage[key]
             return
+        if self._by_storage.get(key) == vid:
+            del self._by_storage[key]
+        if self.phase == "forward":
+            self.user_deaths[vid] = self.event
+        if self._proxies.get(vid):
+            self._orphaned.add(vid)  # autograd's saves hold it on
+            return
         rec = self.values[vid]
         rec.death = self.event
         self.live_bytes -= rec.nbytes
+
+    # --- saves, split from the values they save ----------------------------------------------
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        """Saved-tensor pack hook of a fake step: autograd keeps a proxy of an activation (a
+        fake tensor of the same geometry over a storage of its own, counted as the same value)
+        instead of the tensor itself. The value lives while either lives, as before; the
+        event at which its own storage dies in the forward is when it would die had autograd
+        saved nothing (``Value.death_unsaved``), without a second forward to find it."""
+        if type(t) is not FakeTensor:
+            return t
+        hit = self._packed.get(id(t))
+        if hit is not None:
+            mine, proxy = hit[0](), hit[1]()
+            if mine is t and proxy is not None:
+                return proxy  # saved again (the same tensor, as another op's input)
+        key = t.untyped_storage()._cdata
+        vid = self._by_storage.get(key)
+        if vid is None or self.values[vid].kind != g.ACTIVATION or self.fake is None \
+                or t.fake_mode is not self.fake or t.layout is not torch.strided \
+                or t.is_conj() or t.is_neg():
+            return t
+        with torch._C._DisableTorchDispatch():
+            storage = torch.empty((self.values[vid].nbytes,), dtype=torch.uint8,
+                                  device="meta").untyped_storage()
+            elem = torch.empty((0,), dtype=t.dtype, device="meta")
+            elem.set_(storage, t.storage_offset(), t.shape, t.stride())
+        proxy = fake_tensor(self.fake, elem, t.fake_device)
+        pkey = storage._cdata
+        self._by_storage[pkey] = vid
+        self._proxy_watch[weakref.ref(storage, self._on_proxy_free)] = (pkey, vid)
+        self._proxies[vid] = self._proxies.get(vid, 0) + 1
+        self._packed[id(t)] = (weakref.ref(t), weakref.ref(proxy))
+        return proxy
+
+    @staticmethod
+    def unpack(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def _on_proxy_free(self, ref: weakref.ref[Any]) -> None:
+        key, vid = self._proxy_watch.pop(ref)
         if self._by_storage.get(key) == vid:
             del self._by_storage[key]
+        left = self._proxies[vid] - 1
+        if left:
+            self._proxies[vid] = left
+            return
+        del self._proxies[vid]
+        if vid in self._orphaned:
+            self._orphaned.discard(vid)
+            rec = self.values[vid]
+            rec.death = self.event
+            self.live_bytes -= rec.nbytes
 
     def _note_peak(self) -> None:
         if self.live_bytes > self.peak_bytes:
@@ -212,8 +280,6 @@ class StepTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
         for t in out_tensors:
             if t.untyped_storage()._cdata not in by_storage:
                 made.append(self.register(t, kind, producer))
-        if forward:
-            self.made.append(made)
         self._note_peak()
         if self.record:
             self._record(info, args, inputs, made, out_tensors, out)
@@ -280,6 +346,13 @@ class StepTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 a for a in dir(node) if a.startswith("_saved_")
             )
         saved = self.ops[index].saved
+        op = self.ops[index]
+        if type(node).__name__ == "CopySlices" and op.target not in _SAVE_NOTHING:
+            # An in-place op on a view: its own node is inside CopySlices, which shows none of
+            # its saves (relu_ and leaky_relu_ save their result, masked_fill_ its mask): count
+            # every tensor it reads as saved (at worst kept longer than needed, never shorter).
+            saved.extend(v for v in op.inputs
+                         if self.values[v].kind not in (g.PARAMETER, g.BUFFER) and v not in saved)
         with self.paused():
             for name in names:
                 try:
@@ -381,6 +454,8 @@ class StepTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
     def close(self) -> None:
         """Stop watching: drop all death callbacks (values still alive keep death=None)."""
         self._watched.clear()
+        self._proxy_watch.clear()
+        self._packed.clear()
         self._node_refs.clear()
         self._pending.clear()
         self._constants.clear()
