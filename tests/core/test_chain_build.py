@@ -23,10 +23,13 @@ def reference_resident(graph: g.Graph) -> tuple[set[int], list[set[int]], dict[i
     leaves (the forward op it dies at when never saved and not shared; absent: never)."""
     shared = L.shared_values(graph.values, graph.ops, graph.module_calls)
     held = L.held_past_cuts(graph.values, graph.ops, [c.after for c in graph.cut_points])
-    outer = min((c.depth for c in graph.cut_points if c.kind == g.CALL), default=0)
-    calls = [i for i, c in enumerate(graph.cut_points) if c.kind == g.CALL and c.depth == outer]
+
+    def held_long(a: int, b: int) -> bool:  # across two call cuts at the outermost depth crossed
+        depths = [c.depth for c in graph.cut_points[a:b + 1] if c.kind == g.CALL]
+        return len(depths) > 0 and sum(d == min(depths) for d in depths) >= 2
+
     resident = (set(shared) | set(L.skip_values(graph.values, graph.ops, graph.module_calls))
-                | {v for v, (a, b) in held.items() if sum(a <= i <= b for i in calls) >= 2})
+                | {v for v, (a, b) in held.items() if held_long(a, b)})
     live = [set(c.live) for c in graph.cut_points]
     for v, (a, b) in held.items():
         if v not in resident:

@@ -238,16 +238,11 @@ def _resident(graph: g.Graph, death: I64) -> tuple[npt.NDArray[np.bool_], I64, I
     values, ops, cuts = graph.values, graph.ops, graph.cut_points
     n_ops, nv = len(ops), len(values)
     held = held_past_cuts(values, ops, [c.after for c in cuts])
-    # Held across two or more cuts between the outermost calls (layers, steps): a KV cache, a
-    # list of hidden states. Not an LSTM's state, held by the step after its own one longer.
-    outer = min((c.depth for c in cuts if c.kind == g.CALL), default=0)
-    calls_before = np.concatenate(([0], np.cumsum([c.kind == g.CALL and c.depth == outer
-                                                   for c in cuts])))
     resident = np.zeros(nv, dtype=np.bool_)
     shared = sorted(shared_values(values, ops, graph.module_calls))
     resident[shared] = True
     resident[sorted(skip_values(values, ops, graph.module_calls))] = True
-    resident[[v for v, (a, b) in held.items() if calls_before[b + 1] - calls_before[a] >= 2]] = True
+    resident[[v for v, (a, b) in held.items() if _held_long(cuts, a, b)]] = True
     saved_or_shared = death >= n_ops
     saved_or_shared[shared] = True
     resident_end = np.where(saved_or_shared, NO_DEATH, death)
@@ -262,6 +257,15 @@ def _resident(graph: g.Graph, death: I64) -> tuple[npt.NDArray[np.bool_], I64, I
     resident |= (crossings >= 2) & (death < n_ops)
     keep = ~resident[live]
     return resident, resident_end, cut_i[keep], live[keep]
+
+
+def _held_long(cuts: tuple[g.CutPoint, ...], first: int, last: int) -> bool:
+    """Held across two or more call cuts at the outermost depth among those it crosses: a KV
+    cache or a list of hidden states across layers, a stem's output held by the caller across
+    every unit. Not an LSTM's state, held by its caller to the end of the next step: across
+    that step's cell ends, but one step end."""
+    depths = [c.depth for c in cuts[first:last + 1] if c.kind == g.CALL]
+    return bool(depths) and depths.count(min(depths)) >= 2
 
 
 def build_chain(graph: g.Graph, cuts: list[int] | None = None) -> Chain:
