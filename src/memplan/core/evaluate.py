@@ -188,7 +188,8 @@ class _Run:
             for vid in op.inputs:
                 if self._root_of_value(vid) is root:
                     continue
-                if vid in written and values[vid].kind not in (g.PARAMETER, g.BUFFER):
+                if vid in written and (vid in op.mutated or values[vid].kind not in (
+                        g.PARAMETER, g.BUFFER)):  # (BatchNorm statistics: written, not kept)
                     copies.append((o, root, values[vid].nbytes))
                 elif values[vid].kind in (g.ACTIVATION, g.BACKWARD, g.EXTERNAL, g.INPUT):
                     kept[vid].append(root)
