@@ -174,7 +174,10 @@ class _Run:
 
     def _tape_reads(self) -> tuple[dict[int, list[_Scope]], list[tuple[int, _Scope, int]]]:
         """Outside tensors each top scope's tape keeps (value -> scopes), and the copies it
-        makes of written ones: (op, scope, bytes)."""
+        makes of written ones: (op, scope, bytes). A buffer written in place is copied where
+        the op is on the op tape: in a drop-cheap stage (BatchNorm's ``num_batches_tracked
+        += 1``); in a region its module call is a unit, which copies nothing (the running
+        statistics batch_norm writes are never copied)."""
         kept: dict[int, list[_Scope]] = defaultdict(list)
         copies: list[tuple[int, _Scope, int]] = []
         values = self.g.values
@@ -188,8 +191,8 @@ class _Run:
             for vid in op.inputs:
                 if self._root_of_value(vid) is root:
                     continue
-                if vid in written and (vid in op.mutated or values[vid].kind not in (
-                        g.PARAMETER, g.BUFFER)):  # (BatchNorm statistics: written, not kept)
+                if vid in written and (values[vid].kind not in (g.PARAMETER, g.BUFFER) or (
+                        vid in op.mutated and sc.kind == "drop-cheap")):
                     copies.append((o, root, values[vid].nbytes))
                 elif values[vid].kind in (g.ACTIVATION, g.BACKWARD, g.EXTERNAL, g.INPUT):
                     kept[vid].append(root)
