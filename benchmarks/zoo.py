@@ -5,6 +5,7 @@ median over-prediction (predicted / measured - 1) over the passing entries.
 
     python benchmarks/zoo.py [--only hf-llama,pyg-gcn] [--planner optimal|ilp] [--jobs 2]
     python benchmarks/zoo.py --llama      # issue 11's 8-layer Llama: least peaks, plan time
+    python benchmarks/zoo.py --readme     # README.md's zoo table from the runs under --out
 """
 
 from __future__ import annotations
@@ -54,6 +55,53 @@ def markdown(rows: list[Row], planner: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+README = ROOT / "README.md"
+README_START, README_END = "<!-- zoo table: start -->", "<!-- zoo table: end -->"
+
+
+def readme_table(rows: list[Row], ilp_rows: list[Row]) -> str:
+    """The README's zoo table (the default planner's run) and the pass counts of both."""
+    def passes(rs: list[Row]) -> str:
+        return f"{sum(r.status == 'pass' for r in rs)} / {len(rs)}"
+
+    over = over_prediction(rows)
+    lines = [f"Default planner: **{passes(rows)} pass**"
+             + (f"; `ilp`: {passes(ilp_rows)}" if ilp_rows else "")
+             + (f". Predicted / measured peak - 1 over the passing entries: median "
+                f"{statistics.median(over):+.1%}, max {max(over):+.2%}." if over else "."),
+             "", "| model | library | plain peak | planned peak | extra FLOPs | status |",
+             "|---|---|---:|---:|---:|---|"]
+    for r in rows:
+        status = "pass" if r.status == "pass" else r.failure
+        extra = f"{r.extra_flops_fraction:.0%}" if r.predicted_peak_bytes else ""
+        planned = (f"{mib(r.planned_peak_bytes)} MiB" if r.planned_peak_bytes else
+                   f"(least {mib(r.least_peak_bytes)} MiB)" if r.least_peak_bytes else "")
+        lines.append(f"| {r.model} | {r.library} | {mib(r.plain_peak_bytes)} MiB | {planned} |"
+                     f" {extra} | {status} |")
+    return "\n".join(lines) + "\n"
+
+
+def read_rows(path: Path) -> list[Row]:
+    if not path.exists():
+        return []
+    with path.open(newline="") as f:
+        types = {k: type(v) for k, v in vars(Row("", "", "")).items()}
+        return [Row(**{k: types[k](v) for k, v in d.items()}) for d in csv.DictReader(f)]
+
+
+def write_readme(out: Path) -> None:
+    """Put the table of ``out``'s runs between the README's zoo markers."""
+    rows = read_rows(out / "zoo-optimal.csv")
+    if not rows:
+        raise SystemExit(f"no {out / 'zoo-optimal.csv'}: run the zoo first")
+    text = README.read_text()
+    head, rest = text.split(README_START, 1)
+    _, tail = rest.split(README_END, 1)
+    table = readme_table(rows, read_rows(out / "zoo-ilp.csv"))
+    README.write_text(f"{head}{README_START}\n{table}{README_END}{tail}")
+    print(f"wrote the zoo table of {out} into {README}")
+
+
 def over_prediction(rows: list[Row]) -> list[float]:
     return [r.predicted_peak_bytes / r.planned_peak_bytes - 1 for r in rows
             if r.status == "pass" and r.planned_peak_bytes]
@@ -100,9 +148,14 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per entry")
     parser.add_argument("--out", type=Path, default=ROOT / "out" / "zoo")
     parser.add_argument("--llama", action="store_true", help="the 8-layer Llama figures only")
+    parser.add_argument("--readme", action="store_true",
+                        help="write the table of the runs under --out into README.md")
     args = parser.parse_args()
     if args.llama:
         llama_figures()
+        return
+    if args.readme:
+        write_readme(args.out)
         return
     names = [n for n in args.only.split(",") if n] or list(ZOO)
     unknown = [n for n in names if n not in ZOO]

@@ -165,13 +165,16 @@ def test_moe_grouped_mm_fp32() -> None:
 
 @pytest.mark.parametrize("build", [
     torch_zoo.kept_intermediates,
+    torch_zoo.flat_sequential,
     pytest.param(torch_zoo.lstm, marks=pytest.mark.xfail(
         strict=True, raises=NoPlanUnderBudget, reason="one nn.LSTM call is one kernel over "
         "every time step: no cut inside it, the least peak is plain"))],
-    ids=["kept-intermediates", "lstm"])
+    ids=["kept-intermediates", "batchnorm-counter", "lstm"])
 def test_measured_peak_within_the_prediction(build: Any) -> None:
     """Tensors a forward keeps in a Python list until it returns (the planning chain left
-    them out, +30%; plans are now held to their evaluated peak); nn.LSTM (capture now sees the
+    them out, +30%; plans are now held to their evaluated peak); BatchNorm's
+    ``num_batches_tracked += 1`` in drop-cheap stages (a scope's tape keeps a copy of each
+    buffer it writes in place: the evaluator counted none, 144 B over); nn.LSTM (capture now sees the
     oneDNN workspace the CPU kernel keeps, so the prediction holds, but one call of it cannot
     be cut)."""
     planned_step_holds(build)
@@ -219,3 +222,54 @@ def test_refusal_names_each_planners_least_peak(shared_table_graph: memplan.Grap
         memplan.plan(graph, budget=min(least) - 1)
     message = str(refused.value)
     assert all(f"{peak:,}" in message for peak in least), (least, message)
+
+
+class KVCache:
+    """A key cache the way HF's DynamicCache keeps one: ``update`` appends a layer's keys and
+    returns all of that layer's keys so far (a Python object a module call changes)."""
+
+    def __init__(self) -> None:
+        self.keys: dict[int, torch.Tensor] = {}
+
+    def update(self, keys: torch.Tensor, layer: int) -> torch.Tensor:
+        old = self.keys.get(layer)
+        self.keys[layer] = keys if old is None else torch.cat([old, keys], dim=1)
+        return self.keys[layer]
+
+
+class CachedAttention(nn.Module):
+    def __init__(self, dim: int, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.q, self.k, self.v = (nn.Linear(dim, dim) for _ in range(3))
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        keys = cache.update(self.k(x), self.layer)
+        scores = (self.q(x) @ keys.transpose(1, 2)).softmax(-1)
+        x = x + scores @ self.v(x)[:, :1].expand(-1, keys.shape[1], -1)
+        return x + self.mlp(x)
+
+
+class CachedDecoder(nn.Module):
+    def __init__(self, dim: int = 32, layers: int = 6) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(CachedAttention(dim, i) for i in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cache = KVCache()  # made per call, as HF makes its cache when use_cache is on
+        for layer in self.layers:
+            x = layer(x, cache)
+        return x
+
+
+def _cached_decoder(seed: int) -> Built:
+    torch.manual_seed(seed)
+    x = torch.randn(4, 48, 32, generator=torch.Generator().manual_seed(seed + 1))
+    return CachedDecoder().train(), (x,), lambda out: out.square().mean()
+
+
+def test_module_call_changing_a_python_object_is_not_rerun() -> None:
+    """HF decoders pass their KV cache to every attention call: a replay that called the
+    module again appended the keys twice (GPT-2, OPT, Phi, Falcon, ... crashed in backward)."""
+    planned_step_holds(_cached_decoder)

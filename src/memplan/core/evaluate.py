@@ -178,7 +178,9 @@ class _Run:
     def _tape_reads(self) -> tuple[dict[int, list[tuple[_Scope, int]]],
                                    list[tuple[int, _Scope, int]]]:
         """Outside tensors each top scope's tape keeps (value -> (scope, first reading op)),
-        and the copies it makes of written ones: (op, scope, value)."""
+        and the copies it makes of written ones: (op, scope, value). A buffer an op writes in
+        place (BatchNorm's ``num_batches_tracked += 1``) is copied too; the running statistics
+        batch_norm writes never are (written only, never read back)."""
         kept: dict[int, list[tuple[_Scope, int]]] = defaultdict(list)
         copies: list[tuple[int, _Scope, int]] = []
         values = self.g.values
@@ -192,7 +194,8 @@ class _Run:
             for vid in op.inputs:
                 if self._root_of_value(vid) is root:
                     continue
-                if vid in written and values[vid].kind not in (g.PARAMETER, g.BUFFER):
+                if vid in written and (values[vid].kind not in (g.PARAMETER, g.BUFFER) or (
+                        vid in op.mutated and "batch_norm" not in op.target)):
                     copies.append((o, root, vid))
                 elif values[vid].kind in (g.ACTIVATION, g.BACKWARD, g.EXTERNAL, g.INPUT) \
                         and not any(r is root for r, _ in kept[vid]):

@@ -34,6 +34,7 @@ holds leads back to the graph's nodes.
 from __future__ import annotations
 
 import contextlib
+import enum
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -69,6 +70,13 @@ from memplan.runtime.tape import (
 from memplan.tracing.opinfo import is_counted
 
 _EXPENSIVE: dict[Any, bool] = {}
+# Arguments a unit may take: a call re-run in replay must compute what it computed, so it gets
+# only values it cannot change (tensors are checked by version). Any other object (HF's
+# DynamicCache appends the keys on every call) keeps the call on the op tape, whose replay
+# touches no Python state.
+PLAIN = (torch.Tensor, int, float, complex, bool, str, bytes, type(None), torch.dtype,
+         torch.device, torch.layout, torch.memory_format, torch.Size, slice, type(Ellipsis),
+         enum.Enum)
 
 
 class _Unit:
@@ -215,11 +223,14 @@ class StepState:
         t = self.template
         if t is None or t.kind != "region" or n not in self.layout.units.get(path, ()):
             return
+        flat, spec = flatten_tree((args, kwargs))
+        if not all(isinstance(leaf, PLAIN) for leaf in flat):
+            return  # given an object the call may change (a KV cache): its ops go on the tape
         scope = self.scope_for(t)
         tape = scope.tape
         e = len(tape.entries)
         entry = UnitEntry(module, path, self.infos(path, module))
-        flat, entry.spec = flatten_tree((args, kwargs))
+        entry.spec = spec
         refs: list[Pos] = []
         for leaf in flat:
             if not isinstance(leaf, torch.Tensor):
