@@ -19,9 +19,8 @@ The runtime (``memplan.runtime.replay``), as modelled here:
   it, a nested scope that takes it as input, or a later replayed op needs it, and an unneeded
   output until the next replayed op has run (the replay loop's own reference). An outside
   tensor a replayed op writes, or reads after a later write changed it, is copied for the op,
-  and the copy lives while the replay uses it (its later readers, saves of it); a region's
-  BatchNorm statistics for its whole replay (a unit re-run as a module call binds their
-  copies up front).
+  and the copy lives while the replay uses it (its later readers, saves of it); a buffer's
+  copy (BatchNorm's statistics) for its op (no unit holds a BatchNorm, ``runtime.probe``).
 """
 
 from __future__ import annotations
@@ -297,7 +296,6 @@ class _Run:
             handle_release[vid] = max(handle_release.get(vid, -1), self._release(o))
         stash_until = self._stash_holds(sc, tl)
         out: list[tuple[int, int, int]] = []
-        whole = (tl.replay_moments(sc.index, 0)[1], tl.replay_moments(sc.index, len(ops) - 1)[0])
         in_replay = set(ops)
         for i, o in enumerate(ops):
             main, pre = tl.replay_moments(sc.index, i)
@@ -306,10 +304,7 @@ class _Run:
             for vid in written:
                 if self._root_of_value(vid) is not root:
                     span = (pre, nxt[1] if nxt else main)
-                    if values[vid].kind == g.BUFFER:
-                        if sc.kind == "region":
-                            span = whole  # a unit's replay binds its statistics' copies up front
-                    elif values[vid].kind != g.PARAMETER:
+                    if values[vid].kind not in (g.BUFFER, g.PARAMETER):
                         span = (pre, max(span[1], self._copy_end(vid, i, ops, in_replay, tl,
                                                                  sc.index)))
                     out.append((*span, values[vid].nbytes))
