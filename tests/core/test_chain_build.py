@@ -24,12 +24,17 @@ def reference_resident(graph: g.Graph) -> tuple[set[int], list[set[int]], dict[i
     shared = L.shared_values(graph.values, graph.ops, graph.module_calls)
     held = L.held_past_cuts(graph.values, graph.ops, [c.after for c in graph.cut_points])
 
-    def held_long(a: int, b: int) -> bool:  # across two call cuts at the outermost depth crossed
-        depths = [c.depth for c in graph.cut_points[a:b + 1] if c.kind == g.CALL]
-        return len(depths) > 0 and sum(d == min(depths) for d in depths) >= 2
+    cuts = graph.cut_points
+
+    def held_long(v: int, a: int, b: int) -> bool:  # two call cuts at the outermost depth
+        depths = [c.depth for c in cuts[a:b + 1] if c.kind == g.CALL]  # crossed, or died at
+        death = graph.values[v].death_unsaved
+        died_at = [c.depth for c in cuts[b + 1:b + 2]
+                   if c.kind == g.CALL and c.after == (len(graph.ops) if death is None else death)]
+        return len(depths) > 0 and sum(d == min(depths + died_at) for d in depths) >= 2
 
     resident = (set(shared) | set(L.skip_values(graph.values, graph.ops, graph.module_calls))
-                | {v for v, (a, b) in held.items() if held_long(a, b)})
+                | {v for v, (a, b) in held.items() if held_long(v, a, b)})
     live = [set(c.live) for c in graph.cut_points]
     for v, (a, b) in held.items():
         if v not in resident:

@@ -242,7 +242,8 @@ def _resident(graph: g.Graph, death: I64) -> tuple[npt.NDArray[np.bool_], I64, I
     shared = sorted(shared_values(values, ops, graph.module_calls))
     resident[shared] = True
     resident[sorted(skip_values(values, ops, graph.module_calls))] = True
-    resident[[v for v, (a, b) in held.items() if _held_long(cuts, a, b)]] = True
+    resident[[v for v, (a, b) in held.items()
+              if _held_long(cuts, a, b, int(graph.values[v].death_unsaved or n_ops))]] = True
     saved_or_shared = death >= n_ops
     saved_or_shared[shared] = True
     resident_end = np.where(saved_or_shared, NO_DEATH, death)
@@ -259,13 +260,18 @@ def _resident(graph: g.Graph, death: I64) -> tuple[npt.NDArray[np.bool_], I64, I
     return resident, resident_end, cut_i[keep], live[keep]
 
 
-def _held_long(cuts: tuple[g.CutPoint, ...], first: int, last: int) -> bool:
-    """Held across two or more call cuts at the outermost depth among those it crosses: a KV
-    cache or a list of hidden states across layers, a stem's output held by the caller across
-    every unit. Not an LSTM's state, held by its caller to the end of the next step: across
-    that step's cell ends, but one step end."""
+def _held_long(cuts: tuple[g.CutPoint, ...], first: int, last: int, death: int) -> bool:
+    """Held across two or more call cuts at the outermost depth among those it crosses (and
+    the call end it dies at): a KV cache or a list of hidden states across layers. Not an
+    LSTM's state, held by its caller until the next step returns: across that step's cell
+    ends, up to one step end."""
     depths = [c.depth for c in cuts[first:last + 1] if c.kind == g.CALL]
-    return bool(depths) and depths.count(min(depths)) >= 2
+    if not depths:
+        return False
+    outer = min(depths)
+    if last + 1 < len(cuts) and cuts[last + 1].after == death and cuts[last + 1].kind == g.CALL:
+        outer = min(outer, cuts[last + 1].depth)
+    return depths.count(outer) >= 2
 
 
 def build_chain(graph: g.Graph, cuts: list[int] | None = None) -> Chain:
