@@ -13,7 +13,6 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -23,6 +22,7 @@ from memplan.tracing.datadep import Oracle, run_with_oracle
 from memplan.tracing.fake import fake_forward, model_device, real_forward, spec_args
 from memplan.tracing.opinfo import is_counted
 from memplan.tracing.step import no_cyclic_gc
+from memplan.tracing.tracer import global_module_hooks
 
 
 @dataclass
@@ -85,7 +85,7 @@ def _probe(model: nn.Module, inputs: Sequence[Any] | None, specs: Sequence[dict[
     # reported by the caller, not logged by torch.
     with no_cyclic_gc(), _quiet_fake_tensor_log():
         out = fake_forward(model, inputs, specs, autocast,
-                           within=[_global_module_hooks(pre, post), counter])
+                           within=[global_module_hooks(pre, post), counter])
         counter.kept = set(counter.live.values())  # saved for backward, or the output
         del out
     return FakeForward(counter.targets, call_ends, _calls(model, calls, counter),
@@ -182,12 +182,3 @@ def _quiet_fake_tensor_log() -> Iterator[None]:
         log.setLevel(level)
 
 
-@contextlib.contextmanager
-def _global_module_hooks(pre: Any, post: Any) -> Iterator[None]:
-    h1 = torch.nn.modules.module.register_module_forward_pre_hook(pre)
-    h2 = torch.nn.modules.module.register_module_forward_hook(post)
-    try:
-        yield
-    finally:
-        h1.remove()
-        h2.remove()

@@ -471,6 +471,13 @@ def module_hooks(tracer: StepTracer, root: torch.nn.Module) -> Iterator[None]:
     names = {id(m): name for name, m in root.named_modules()}
     pre: Callable[..., None] = lambda mod, inp: _pre(tracer, names, mod)
     post: Callable[..., None] = lambda mod, inp, out: _post(tracer, names, mod)
+    with global_module_hooks(pre, post):
+        yield
+
+
+@contextmanager
+def global_module_hooks(pre: Callable[..., None], post: Callable[..., None]) -> Iterator[None]:
+    """Forward pre- and post-hooks on every module call while the block runs."""
     h1 = torch.nn.modules.module.register_module_forward_pre_hook(pre)
     h2 = torch.nn.modules.module.register_module_forward_hook(post)
     try:
