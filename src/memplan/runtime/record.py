@@ -12,8 +12,8 @@ of entries:
   step), found from the fake forward at apply time. It runs with no dispatch mode; its entry
   keeps the call's arguments (tape positions, or outside tensors and their versions); its
   saved tensors get handles by the order autograd saves them. Replay re-runs the call, as
-  ``torch.utils.checkpoint`` does, with the parameters and buffers it ran with, BatchNorm
-  statistics written to copies, and checks that it saves as many tensors as it did.
+  ``torch.utils.checkpoint`` does, with the parameters and buffers it ran with (no unit holds
+  a BatchNorm: ``probe``), and checks that it saves as many tensors as it did.
 * an *op*: an aten op outside units (glue code, and every op of a drop-cheap stage), recorded
   by a ``TorchDispatchMode`` with its non-tensor arguments and, per tensor argument, the tape
   position that made it or the outside tensor itself.
@@ -250,7 +250,6 @@ class StepState:
         entry.autocast = autocast_state()
         entry.bound = [s.holder[s.key] for s in entry.info.slots]
         entry.versions = [-1 if b is None else b._version for b in entry.bound]
-        entry.bn_training = tuple(m.training for m in entry.info.norms)
         tape.entries.append(entry)
         _extend(scope, e)
         self.recorded_ops += 1

@@ -207,10 +207,8 @@ def _run_unit(entry: UnitEntry, env: dict[Pos, torch.Tensor], tape: Tape, collec
         i += 1
     args, kwargs = unflatten_tree(vals, entry.spec)
     saved: list[torch.Tensor] = []
-    copies: dict[int, torch.Tensor] = {}  # BatchNorm statistics' copies -> the statistics
 
     def take(t: torch.Tensor) -> Any:
-        t = copies.get(id(t), t)  # BatchNorm saves its statistics: keep no copy of them
         if grad:
             saved.append(t)
             return t.detach()
@@ -219,7 +217,7 @@ def _run_unit(entry: UnitEntry, env: dict[Pos, torch.Tensor], tape: Tape, collec
 
     enable = entry.grad_enabled and (collect or grad)
     with contextlib.ExitStack() as stack:
-        _bind(entry, stack, what, copies)
+        _bind(entry, stack, what)
         for device, dtype in entry.autocast:
             stack.enter_context(torch.autocast(device, dtype=dtype))
         stack.enter_context(torch.enable_grad() if enable else torch.no_grad())
@@ -241,19 +239,12 @@ def _run_unit(entry: UnitEntry, env: dict[Pos, torch.Tensor], tape: Tape, collec
     return outs, saved
 
 
-def _bind(entry: UnitEntry, stack: contextlib.ExitStack, what: str,
-          copies: dict[int, torch.Tensor]) -> None:
+def _bind(entry: UnitEntry, stack: contextlib.ExitStack, what: str) -> None:
     """Bind the parameters and buffers the unit ran with (a functional_call or a
-    re-registration since then leaves other tensors there); BatchNorm statistics of
-    training-mode norms as copies, so the replay does not update them again."""
+    re-registration since then leaves other tensors there)."""
     restore: list[tuple[dict[str, Any], str, Any]] = []
     for slot, rec, version in zip(entry.info.slots, entry.bound, entry.versions):
         if rec is None:
-            continue
-        if slot.bn >= 0 and entry.bn_training[slot.bn]:
-            restore.append((slot.holder, slot.key, slot.holder[slot.key]))
-            copy = slot.holder[slot.key] = rec.clone()
-            copies[id(copy)] = rec
             continue
         if rec._version != version:
             raise ReplayError(

@@ -55,47 +55,38 @@ class OpEntry:
 
 @dataclass(eq=False)
 class Slot:
-    """A parameter or buffer of a unit's module tree: where it is bound, its name, and the
-    index of its BatchNorm module when it is a running statistic."""
+    """A parameter or buffer of a unit's module tree: where it is bound, and its name."""
 
     holder: dict[str, Any]  # the module's _parameters or _buffers
     key: str
     name: str
-    bn: int  # index into the unit's BatchNorm modules, or -1
 
 
 @dataclass(eq=False)
 class UnitInfo:
-    """Per unit module: its parameters and buffers, and its BatchNorm modules."""
+    """Per unit module: its parameters and buffers (no unit holds a BatchNorm: see
+    ``probe._may_be_unit``)."""
 
     slots: list[Slot]
-    norms: list[torch.nn.Module]
 
 
 def unit_info(module: torch.nn.Module, path: str) -> UnitInfo:
-    norms: list[torch.nn.Module] = []
     slots: list[Slot] = []
     seen: set[tuple[int, str]] = set()
     for prefix, m in module.named_modules(prefix=path, remove_duplicate=False):
-        bn = -1
-        if isinstance(m, torch.nn.modules.batchnorm._NormBase):
-            bn = len(norms)
-            norms.append(m)
-        for holder, is_buffer in ((m._parameters, False), (m._buffers, True)):
+        for holder in (m._parameters, m._buffers):
             for key in holder:
                 if (id(holder), key) in seen:
                     continue
                 seen.add((id(holder), key))
-                stat = is_buffer and key in ("running_mean", "running_var", "num_batches_tracked")
-                slots.append(Slot(holder, key, f"{prefix}.{key}" if prefix else key,
-                                  bn if stat else -1))
-    return UnitInfo(slots, norms)
+                slots.append(Slot(holder, key, f"{prefix}.{key}" if prefix else key))
+    return UnitInfo(slots)
 
 
 class UnitEntry:
     """A unit: a module call recorded whole, replayed by calling the module again."""
 
-    __slots__ = ("autocast", "bn_training", "bound", "grad_enabled", "grads", "info", "leaves",
+    __slots__ = ("autocast", "bound", "grad_enabled", "grads", "info", "leaves",
                  "module", "n_outputs", "n_saved", "path", "refs", "spec", "versions")
 
     def __init__(self, module: torch.nn.Module, path: str, info: UnitInfo) -> None:
@@ -110,7 +101,6 @@ class UnitEntry:
         self.autocast: tuple[tuple[str, torch.dtype], ...] = ()
         self.bound: list[Any] = []  # the tensors bound to info.slots during the call
         self.versions: list[int] = []
-        self.bn_training: tuple[bool, ...] = ()
         self.n_saved = 0
         self.n_outputs = 0
 
