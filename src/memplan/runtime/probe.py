@@ -66,8 +66,6 @@ def _probe(model: nn.Module, inputs: Sequence[Any] | None, specs: Sequence[dict[
             return
         numbers[path] = numbers.get(path, 0) + 1
         open_calls.append((path, numbers[path], len(counter.targets)))
-        if isinstance(mod, nn.modules.batchnorm._NormBase):  # its (fake) statistics
-            counter.stats.update(id(getattr(mod, k, None)) for k in _NORM_STATS)
 
     def post(mod: nn.Module, args: Any, out: Any) -> None:
         path = names.get(id(mod))
@@ -92,13 +90,12 @@ def _probe(model: nn.Module, inputs: Sequence[Any] | None, specs: Sequence[dict[
                        counter.lifetimes())
 
 
-_NORM_STATS = ("running_mean", "running_var", "num_batches_tracked")
 
 
 def _calls(model: nn.Module, calls: list[tuple[str, int, int, int]], count: _Count
            ) -> list[U.Call]:
     """Module calls of the fake forward; safe when none of its ops writes a tensor made
-    before the call (BatchNorm statistics excepted). Calls of the root, of modules with
+    before the call (batch_norm's running statistics excepted). Calls of the root, of modules with
     their own instance forward, of leaf modules (one op or few: the tape costs no more) and
     of modules holding a BatchNorm are never units: a unit's replay binds copies of the
     running statistics for the whole call where the plan's model (``core.evaluate``) holds
@@ -120,7 +117,7 @@ def _may_be_unit(mod: nn.Module) -> bool:
 
 class _Count(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Counts the forward's ops as capture does. For each op, the earliest op that made a
-    tensor it writes (parameters, buffers, inputs: -1; BatchNorm statistics ignored); for
+    tensor it writes (parameters, buffers, inputs: -1; batch_norm's statistics ignored); for
     each storage an op makes, when it was made, last read and freed (in op counts)."""
 
     def __init__(self, oracle: Oracle) -> None:
@@ -131,7 +128,6 @@ class _Count(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.values: list[list[int]] = []  # [made, last read, freed (-1: alive), bytes]
         self.live: dict[int, int] = {}  # storage -> value
         self.kept: set[int] = set()  # values alive when the forward returned
-        self.stats: set[int] = set()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -146,7 +142,7 @@ class _Count(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 self.values[vid][1] = index
         first = index
         for t, mode in written_tensors(func, args, kwargs):
-            if id(t) in self.stats or mode == WRITE_ONLY:
+            if mode == WRITE_ONLY:  # batch_norm's running statistics
                 continue
             vid = self.live.get(t.untyped_storage()._cdata)
             first = min(first, -1 if vid is None else self.values[vid][0])
