@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -141,3 +143,35 @@ def mlp_input() -> torch.Tensor:
 
 def square_loss(out: torch.Tensor) -> torch.Tensor:
     return out.square().mean()
+
+
+class _TanhGelu(torch.autograd.Function):
+    """A hand-written GELU as HF Bloom writes its own (``GeLUFunction``): the forward's ops
+    run without autograd and ``ctx.save_for_backward`` keeps the input for backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return x * 0.5 * (1.0 + torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x)))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        t = torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x))
+        dt = 0.79788456 * (1 + 0.134145 * x * x) * (1 - t * t)
+        return grad * (0.5 * (1 + t) + 0.5 * x * dt)
+
+
+class CustomFunctionMLP(nn.Module):
+    """Blocks of Linear -> a custom autograd.Function -> Linear, with residuals."""
+
+    def __init__(self, n: int = 6, d: int = 32) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.up = nn.ModuleList([nn.Linear(d, 4 * d) for _ in range(n)])
+        self.down = nn.ModuleList([nn.Linear(4 * d, d) for _ in range(n)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for up, down in zip(self.up, self.down):
+            x = x + down(_TanhGelu.apply(up(x)))
+        return x

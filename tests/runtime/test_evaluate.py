@@ -21,6 +21,7 @@ from memplan.core.evaluate import evaluate
 from memplan.core.graph import LEAF, OP, Graph
 from memplan.runtime.apply import applied_state
 from tests.builders import (
+    CustomFunctionMLP,
     FunctionalMLP,
     flat_mlp,
     mlp_input,
@@ -53,6 +54,7 @@ CASES: dict[str, Callable[[], Case]] = {
     "rope": lambda: _user(rope_inputs, rope_loss),
     "flat": lambda: _user(lambda: (flat_mlp(), mlp_input()), square_loss),
     "functional": lambda: _user(lambda: (FunctionalMLP(), mlp_input()), square_loss),
+    "custom-function": lambda: _user(lambda: (CustomFunctionMLP(), mlp_input()), square_loss),
 }
 PLANNERS = ("sqrt", "drop-cheap", "recursive", "optimal", "optimal@half")
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.autograd.function import BackwardCFunction
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memplan.core import graph as g
@@ -353,6 +354,10 @@ class StepTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
             # every tensor it reads as saved (at worst kept longer than needed, never shorter).
             saved.extend(v for v in op.inputs
                          if self.values[v].kind not in (g.PARAMETER, g.BUFFER) and v not in saved)
+        if not names and isinstance(node, BackwardCFunction):
+            # A custom autograd.Function (HF Bloom's GeLUFunction): its node shows no
+            # ``_saved_*``; what ``ctx.save_for_backward`` took is ``saved_tensors``.
+            names = ("saved_tensors",)
         with self.paused():
             for name in names:
                 try:
