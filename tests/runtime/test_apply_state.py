@@ -9,6 +9,7 @@ import copy
 import functools
 import gc
 import io
+import json
 import warnings
 import weakref
 from collections.abc import Callable
@@ -20,6 +21,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import memplan
+from memplan.core.plan_schema import MAX_SPEC_DEPTH
+from memplan.errors import PlanInvalid
 from memplan.runtime.apply import applied_state
 from memplan.runtime.tape import Scope
 from memplan.tracing.tracer import StepTracer
@@ -385,6 +388,49 @@ def test_plan_of_another_model_with_other_inputs_is_a_plan_mismatch() -> None:
     with pytest.raises(memplan.MemplanError, match="another model or other inputs"):
         memplan.apply(other, plan)
     assert "forward" not in other.__dict__ and applied_state(other) is None
+
+
+class WithOptions(Net):
+    """A forward whose trailing arguments default to containers (x-transformers' wrappers
+    take ``embed_ids: dict = {}``), as ``inspect.signature(...).bind`` fills them in."""
+
+    def forward(self, x: torch.Tensor, extra: dict[str, Any] | None = None,
+                scales: tuple[Any, ...] = ()) -> dict[str, torch.Tensor]:
+        for s in scales:
+            x = x * (s if isinstance(s, float) else 1.0)
+        if extra and "shift" in extra:
+            x = x + extra["shift"][0]
+        return super().forward(x)
+
+
+def test_plan_file_with_container_inputs_applies_without_inputs() -> None:
+    shift = torch.randn(1, 32)
+    inputs = (*_inputs(), {"shift": [shift, None], "names": {}}, (1.0, 2))
+    plan = memplan.plan(WithOptions(), *inputs, loss_fn=loss_fn, planner="sqrt")
+    loaded = memplan.Plan.from_json(plan.to_json())
+    torch.manual_seed(0)
+    model = memplan.apply(WithOptions(), loaded)  # checked against inputs rebuilt from specs
+    torch.manual_seed(0)
+    plain = WithOptions()
+    assert all(torch.equal(a, b) for a, b in zip(_step(model, inputs), _step(plain, inputs)))
+
+
+def test_input_specs_nest_to_a_bound() -> None:
+    deep: Any = 1.0
+    for _ in range(12):
+        deep = [deep]
+    plan = memplan.plan(WithOptions(), *_inputs(), None, (deep,), loss_fn=loss_fn,
+                        planner="sqrt")
+    spec = json.dumps(json.loads(plan.to_json())["forward"]["inputs"][2])
+    assert spec.count('{"list"') == MAX_SPEC_DEPTH - 1 and '"type": "list"' in spec
+    memplan.Plan.from_json(plan.to_json())  # its own file loads
+    raw = json.loads(plan.to_json())
+    nested: Any = {"value": 1}
+    for _ in range(MAX_SPEC_DEPTH + 1):
+        nested = {"list": [nested]}
+    raw["forward"]["inputs"][2] = nested
+    with pytest.raises(PlanInvalid, match="nested at most"):
+        memplan.Plan.from_json(json.dumps(raw))
 
 
 # --- 5. Python state a forward mutates ---------------------------------------------------------

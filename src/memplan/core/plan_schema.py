@@ -26,6 +26,7 @@ MAX_DEPTH = 64  # recompute regions nested in each other (planners reach ~log2(s
 MAX_INT = 2**63 - 1  # bytes, FLOPs, op indices: the chain's int64
 MAX_TEXT_CHARS = 4096  # a planner name, a module path, a note
 MAX_DIMS = 64  # an example input's dimensions
+MAX_SPEC_DEPTH = 8  # example inputs nested in lists, tuples and dicts (deeper: by type only)
 MODES = ("keep", "drop-cheap", "recompute")
 ITEM_KINDS = MODES  # the schedule's items: Keep, DropCheap, Region
 BOUNDARIES = ("call", "leaf", "op")  # how the runtime finds a stage's end (CutPoint.kind)
@@ -177,27 +178,44 @@ def _forward(value: object, n_ops: int) -> None:
             raise _bad(f"forward.autocast.{device}", f"one of {list(AUTOCAST_DTYPES)}", dtype)
 
 
-def _input_spec(value: object, where: str) -> None:
-    """{shape, dtype, requires_grad} of a tensor, {value} of a plain one, or {type}."""
+def _input_spec(value: object, where: str, depth: int = 0) -> None:
+    """{shape, dtype, requires_grad} of a tensor, {value} of a plain one, {list | tuple: [..]}
+    or {dict: {name: ..}} of those, or {type}."""
     keys = set(value) if isinstance(value, dict) else set()
     if "shape" in keys:
-        spec = _keys(value, where, ("shape", "dtype", "requires_grad"))
-        shape = _list(spec["shape"], f"{where}.shape")
-        if len(shape) > MAX_DIMS:
-            raise _bad(f"{where}.shape", f"at most {MAX_DIMS} dimensions", shape)
-        numel = 1
-        for k, size in enumerate(shape):
-            numel *= _int(size, f"{where}.shape[{k}]")
-        if numel > MAX_INT:
-            raise _bad(f"{where}.shape", f"at most {MAX_INT} elements", numel)
-        if spec["dtype"] not in DTYPE_NAMES:
-            raise _bad(f"{where}.dtype", f"one of {list(DTYPE_NAMES)}", spec["dtype"])
-        if not isinstance(spec["requires_grad"], bool):
-            raise _bad(f"{where}.requires_grad", "true or false", spec["requires_grad"])
+        _tensor_spec(value, where)
     elif "value" in keys:
         _scalar(_keys(value, where, ("value",))["value"], f"{where}.value", finite=False)
+    elif keys & {"list", "tuple", "dict"}:
+        kind = next(k for k in ("list", "tuple", "dict") if k in keys)
+        if depth >= MAX_SPEC_DEPTH:
+            raise _bad(where, f"inputs nested at most {MAX_SPEC_DEPTH} deep", "deeper")
+        inner = _keys(value, where, (kind,))[kind]
+        if kind == "dict":
+            for name, v in _keys(inner, f"{where}.dict", (), None).items():
+                _text(name, f"{where}.dict key")
+                _input_spec(v, f"{where}.dict.{printable(name)}", depth + 1)
+        else:
+            for i, v in enumerate(_list(inner, f"{where}.{kind}")):
+                _input_spec(v, f"{where}.{kind}[{i}]", depth + 1)
     else:
         _text(_keys(value, where, ("type",))["type"], f"{where}.type")
+
+
+def _tensor_spec(value: object, where: str) -> None:
+    spec = _keys(value, where, ("shape", "dtype", "requires_grad"))
+    shape = _list(spec["shape"], f"{where}.shape")
+    if len(shape) > MAX_DIMS:
+        raise _bad(f"{where}.shape", f"at most {MAX_DIMS} dimensions", shape)
+    numel = 1
+    for k, size in enumerate(shape):
+        numel *= _int(size, f"{where}.shape[{k}]")
+    if numel > MAX_INT:
+        raise _bad(f"{where}.shape", f"at most {MAX_INT} elements", numel)
+    if spec["dtype"] not in DTYPE_NAMES:
+        raise _bad(f"{where}.dtype", f"one of {list(DTYPE_NAMES)}", spec["dtype"])
+    if not isinstance(spec["requires_grad"], bool):
+        raise _bad(f"{where}.requires_grad", "true or false", spec["requires_grad"])
 
 
 def _params(value: object) -> None:

@@ -118,24 +118,29 @@ def fake_args(fake: FakeTensorMode, inputs: Sequence[Any]) -> tuple[Any, ...]:
 def spec_args(specs: Sequence[dict[str, Any]], device: torch.device) -> tuple[Any, ...]:
     """Inputs rebuilt from a plan's input specs (zeros of the recorded shape and dtype; under
     a FakeTensorMode, fake ones)."""
-    out: list[Any] = []
-    for i, spec in enumerate(specs):
-        if "shape" in spec:
-            dtype = DTYPES.get(str(spec.get("dtype")))
-            if dtype is None:
-                raise PlanMismatch(
-                    f"apply: the plan's example input {i} has dtype {spec.get('dtype')!r}, "
-                    f"not one of {sorted(DTYPES)}; pass inputs=(...) to memplan.apply.")
-            t = torch.zeros(spec["shape"], dtype=dtype, device=device)
-            out.append(t.requires_grad_(bool(spec.get("requires_grad"))))
-        elif "value" in spec:
-            out.append(spec["value"])
-        else:
+    return tuple(_from_spec(spec, device, f"example input {i}") for i, spec in enumerate(specs))
+
+
+def _from_spec(spec: dict[str, Any], device: torch.device, what: str) -> Any:
+    if "shape" in spec:
+        dtype = DTYPES.get(str(spec.get("dtype")))
+        if dtype is None:
             raise PlanMismatch(
-                f"apply: the plan's example input {i} is a {spec.get('type')}, which cannot be "
-                "rebuilt to check the plan; pass inputs=(...) to memplan.apply."
-            )
-    return tuple(out)
+                f"apply: the plan's {what} has dtype {spec.get('dtype')!r}, not one of "
+                f"{sorted(DTYPES)}; pass inputs=(...) to memplan.apply.")
+        t = torch.zeros(spec["shape"], dtype=dtype, device=device)
+        return t.requires_grad_(bool(spec.get("requires_grad")))
+    if "value" in spec:
+        return spec["value"]
+    if "dict" in spec:
+        return {k: _from_spec(v, device, f"{what}[{k!r}]") for k, v in spec["dict"].items()}
+    for kind, container in (("list", list), ("tuple", tuple)):
+        if kind in spec:
+            return container(_from_spec(v, device, f"{what}[{i}]")
+                             for i, v in enumerate(spec[kind]))
+    raise PlanMismatch(
+        f"apply: the plan's {what} is a {spec.get('type')}, which cannot be rebuilt to check "
+        "the plan; pass inputs=(...) to memplan.apply.")
 
 
 @contextlib.contextmanager

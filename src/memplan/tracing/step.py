@@ -15,6 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode, UnsupportedOperatorExc
 from torch.utils._pytree import tree_flatten
 
 from memplan.core import graph as g
+from memplan.core.plan_schema import MAX_SPEC_DEPTH
 from memplan.errors import CaptureError, ConfigError, MemplanError, bad_arg
 from memplan.models import Workload
 from memplan.tracing.datadep import Oracle, run_with_oracle
@@ -233,18 +234,23 @@ def _materialise(target: Target, device: str | None) -> tuple[nn.Module, tuple[A
 
 
 def input_specs(inputs: tuple[Any, ...]) -> list[dict[str, Any]]:
-    """Plain-data description of example inputs (shapes, dtypes; simple values as they are),
-    enough to rebuild fake inputs and check a plan against a model (``memplan.apply``)."""
-    specs: list[dict[str, Any]] = []
-    for x in inputs:
-        if isinstance(x, torch.Tensor):
-            specs.append({"shape": list(x.shape), "dtype": str(x.dtype).removeprefix("torch."),
-                          "requires_grad": bool(x.requires_grad)})
-        elif x is None or isinstance(x, (bool, int, float, str)):
-            specs.append({"value": x})
-        else:
-            specs.append({"type": type(x).__name__})
-    return specs
+    """Plain-data description of example inputs (shapes, dtypes; simple values as they are;
+    lists, tuples and string-keyed dicts of those), enough to rebuild fake inputs and check a
+    plan against a model (``memplan.apply``)."""
+    return [_spec(x, MAX_SPEC_DEPTH) for x in inputs]
+
+
+def _spec(x: Any, depth: int) -> dict[str, Any]:
+    if isinstance(x, torch.Tensor):
+        return {"shape": list(x.shape), "dtype": str(x.dtype).removeprefix("torch."),
+                "requires_grad": bool(x.requires_grad)}
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return {"value": x}
+    if depth > 0 and type(x) in (list, tuple):
+        return {type(x).__name__: [_spec(v, depth - 1) for v in x]}
+    if depth > 0 and type(x) is dict and all(isinstance(k, str) for k in x):
+        return {"dict": {k: _spec(v, depth - 1) for k, v in x.items()}}
+    return {"type": type(x).__name__}
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
