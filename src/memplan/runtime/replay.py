@@ -118,6 +118,7 @@ def materialise(scope: Scope) -> None:
                         continue
                     args, kwargs = _rebuild(entry, env, tape)
                     outs = tensors(entry.func(*args, **kwargs))
+                    del args, kwargs  # inputs at their last use die now, not in a next unit
                 else:
                     hs = unit_handles.get(e)
                     outs, saved = _run_unit(entry, env, tape, hs is not None, grad)
