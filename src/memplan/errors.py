@@ -30,20 +30,23 @@ class CaptureError(MemplanError):
 class BudgetTooSmall(MemplanError):
     """No plan fits the budget. ``least_peak_bytes``: the least peak ``planner`` reaches;
     ``least_peaks``: the least peak of each planner compared (``memplan.plan`` compares them
-    when it refuses), by name. Build it with ``memplan.core.budget.budget_too_small`` (which
-    words the message)."""
+    when it refuses), by name; ``floor_bytes``: the peak no plan can go below
+    (``memplan.core.floor``), when known. Build it with
+    ``memplan.core.budget.budget_too_small`` (which words the message)."""
 
     def __init__(self, budget_bytes: int, least_peak_bytes: int, planner: str,
-                 message: str, least_peaks: dict[str, int] | None = None) -> None:
+                 message: str, least_peaks: dict[str, int] | None = None,
+                 floor_bytes: int | None = None) -> None:
         self.budget_bytes = budget_bytes
         self.least_peak_bytes = least_peak_bytes
         self.planner = planner
         self.least_peaks = dict(least_peaks or {})
+        self.floor_bytes = floor_bytes
         super().__init__(message)
 
-    def __reduce__(self) -> tuple[type, tuple[int, int, str, str, dict[str, int]]]:
+    def __reduce__(self) -> tuple[type, tuple[int, int, str, str, dict[str, int], int | None]]:
         return (type(self), (self.budget_bytes, self.least_peak_bytes, self.planner,
-                             str(self), self.least_peaks))  # picklable (worker pools)
+                             str(self), self.least_peaks, self.floor_bytes))  # picklable
 
 
 class PlanInvalid(MemplanError):

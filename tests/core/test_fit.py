@@ -16,6 +16,7 @@ from memplan.core import fit as F
 from memplan.core import graph as g
 from memplan.core import liveness as L
 from memplan.core.evaluate import evaluate
+from memplan.core.floor import peak_floor
 from memplan.core.planners import PLANNERS
 from memplan.errors import BudgetTooSmall
 from tests.core.graphs import tiny
@@ -51,8 +52,12 @@ def test_every_plan_fits_its_budget_as_evaluated(name: str, planner: str,
             assert err.least_peak_bytes > budget and err.planner == planner
             assert set(err.least_peaks) == set(F.COMPARED) | {planner}
             assert err.least_peaks[planner] == err.least_peak_bytes
+            floor = peak_floor(graph)
+            assert err.floor_bytes == floor.floor_bytes <= min(err.least_peaks.values())
+            assert ("No plan can fit it" in str(err)) == (budget < floor.floor_bytes)
             return
     assert evaluate(graph, plan).peak_bytes == plan.peak_bytes <= budget
+    assert plan.peak_bytes >= peak_floor(graph).floor_bytes
     assert plan.budget_bytes == budget and plan.plain_peak_bytes == graph.peak_bytes
 
 
@@ -117,3 +122,16 @@ def test_fine_cuts_lower_the_least_peak(name: str, kind: str) -> None:
     without = evaluate(graph, coarse).peak_bytes
     least = F.fit(graph, "optimal", None, {}).peak_bytes
     assert least * 2 < without <= graph.peak_bytes
+
+
+@pytest.mark.parametrize("name", GRAPHS)
+def test_no_plan_goes_below_the_floor(name: str) -> None:
+    """The floor bounds every plan's evaluated peak from below (each planner's least peak,
+    the plain step's), and a budget under it is refused whatever the planner."""
+    graph = tiny(name)
+    floor = peak_floor(graph)
+    assert 0 < floor.floor_bytes <= graph.peak_bytes
+    assert floor.where.startswith(("forward op", "backward op"))
+    for planner in CHEAP:
+        least = F.least(graph, F.candidates(graph, C.build_chain(graph), planner, {}))
+        assert least.peak_bytes >= floor.floor_bytes, planner

@@ -43,6 +43,7 @@ CLOSURE = "closure over real tensor"
 DATA_DEPENDENT = "data-dependent op"
 GROUPED_MM = "grouped_mm meta"
 NO_PLAN = "planner: no plan under budget"
+BELOW_FLOOR = "planner: budget below the floor"  # no plan of these ops can fit (core.floor)
 OVER_PREDICTED = "budget broken: measured > predicted"
 OVER_BUDGET = "budget broken: measured > budget"
 NOT_EXACT = "gradients differ"
@@ -122,11 +123,14 @@ def evaluate(build: Callable[[int], Any], row: Row, seed: int = 0,
     except memplan.BudgetTooSmall as exc:
         row.plan_s = time.perf_counter() - t
         row.least_peak_bytes = exc.least_peak_bytes
-        row.failure = NO_PLAN
+        below = exc.floor_bytes is not None and row.budget_bytes < exc.floor_bytes
+        row.failure = BELOW_FLOOR if below else NO_PLAN
         row.detail = (f"least peak {exc.least_peak_bytes:,} B = "
                       f"{exc.least_peak_bytes / row.plain_peak_bytes:.2f}x plain (measured "
                       f"{row.plain_peak_bytes:,} B); budget "
                       f"{row.budget_bytes / row.plain_peak_bytes:.2f}x plain")
+        if exc.floor_bytes is not None:
+            row.detail += f"; floor {exc.floor_bytes / row.plain_peak_bytes:.2f}x plain"
         return
     row.plan_s = time.perf_counter() - t
     row.predicted_peak_bytes = plan.peak_bytes
@@ -247,6 +251,7 @@ class NotExact(ZooFailure):
 
 _RAISES = {CLOSURE: ClosureOverRealTensor, DATA_DEPENDENT: DataDependentOp,
            GROUPED_MM: GroupedMMMeta, "deadlock": Deadlock, NO_PLAN: NoPlanUnderBudget,
+           BELOW_FLOOR: NoPlanUnderBudget,
            "budget broken": BudgetBroken, NOT_EXACT: NotExact}
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+from memplan.core.floor import Floor
 from memplan.errors import BudgetTooSmall, bad_arg
 
 GB = 10**9  # the decimal gigabyte of the paper's figures (and of torch's docs)
@@ -15,14 +16,20 @@ _ACCEPTED = ("an int of bytes (> 0), a string like '6GiB', '7GB' or '512MiB', "
 
 
 def budget_too_small(budget_bytes: int, least_peak_bytes: int, planner: str,
-                     hint: str | None = None, least_peaks: dict[str, int] | None = None
-                     ) -> BudgetTooSmall:
+                     hint: str | None = None, least_peaks: dict[str, int] | None = None,
+                     floor: Floor | None = None) -> BudgetTooSmall:
     """The refusal when nothing fits: the budget, the least feasible peak of ``planner``,
     the least peak of each planner in ``least_peaks`` (when compared), and what to do: use
-    the planner that reaches the lowest peak, or raise the budget."""
+    the planner that reaches the lowest peak, or raise the budget. With ``floor``, a budget
+    below it is said to be out of any plan's reach, and why."""
     text = (f"budget {format_bytes(budget_bytes)} ({budget_bytes:,} B) is below the least "
             f"feasible peak {format_bytes(least_peak_bytes)} ({least_peak_bytes:,} B) of "
             f"planner '{planner}'. ")
+    if floor is not None and budget_bytes < floor.floor_bytes:
+        text += (f"No plan can fit it: at {floor.where}, the parameters, inputs and gradients "
+                 f"made so far plus that op's own inputs and outputs take "
+                 f"{format_bytes(floor.floor_bytes)} ({floor.floor_bytes:,} B) whatever is "
+                 "kept or recomputed; a smaller batch or a smaller model lowers that. ")
     if least_peaks:
         best = min(least_peaks, key=lambda k: (least_peaks[k], k != planner, k))
         text += "Least peaks: " + ", ".join(
@@ -40,7 +47,8 @@ def budget_too_small(budget_bytes: int, least_peak_bytes: int, planner: str,
         text += (f"Raise the budget to at least {least_peak_bytes:,} B"
                  + (hint if hint is not None else ", or compare the planners: memplan.plan("
                     "model, ..., budget=...) names the least peak each reaches."))
-    return BudgetTooSmall(budget_bytes, least_peak_bytes, planner, text, least_peaks)
+    return BudgetTooSmall(budget_bytes, least_peak_bytes, planner, text, least_peaks,
+                          None if floor is None else floor.floor_bytes)
 
 
 _INT = re.compile(r"^\s*[0-9]+\s*$")

@@ -33,6 +33,7 @@ import numpy as np
 
 from memplan.core import graph as g
 from memplan.core import schedule as S
+from memplan.core.floor import event_label
 from memplan.core.ops import is_expensive
 from memplan.core.plan import Plan
 from memplan.errors import PlanMismatch
@@ -433,12 +434,7 @@ class _Timeline:
     def _where(self, moment: int, graph: g.Graph) -> str:
         label = self.labels[moment]
         if label.startswith("event "):
-            e = int(label.split()[1])
-            n = len(graph.ops)
-            if e < n:
-                return f"forward op {e} ({graph.ops[e].target} in '{graph.ops[e].module}')"
-            op = graph.backward_ops[e - n]
-            return f"backward op {e - n} ({op.target}, gradient of '{op.module}')"
+            return event_label(graph, int(label.split()[1]))
         return label
 
 

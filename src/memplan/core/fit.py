@@ -18,6 +18,7 @@ from memplan.core import graph as g
 from memplan.core import schedule as S
 from memplan.core.budget import budget_too_small, format_bytes
 from memplan.core.evaluate import evaluate, idle_scopes
+from memplan.core.floor import peak_floor
 from memplan.core.plan import Plan, make_plan
 from memplan.core.planners import PLANNERS
 from memplan.errors import BudgetTooSmall
@@ -106,7 +107,8 @@ def refusal(graph: g.Graph, chain: C.Chain, budget_bytes: int, planner: str,
     """BudgetTooSmall naming the least peak of ``planner`` and of the other planners."""
     peaks = least_peaks(graph, chain, params, skip=planner)
     peaks[planner] = least_bytes
-    return budget_too_small(budget_bytes, least_bytes, planner, least_peaks=peaks)
+    return budget_too_small(budget_bytes, least_bytes, planner, least_peaks=peaks,
+                            floor=peak_floor(graph))
 
 
 def _accepting(runs: list[Planner], budget: int) -> list[Plan]:
