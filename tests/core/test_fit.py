@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from memplan.core import chain as C
+from memplan.core.budget import format_bytes
 from memplan.core import fit as F
 from memplan.core import graph as g
 from memplan.core import liveness as L
@@ -135,3 +136,5 @@ def test_no_plan_goes_below_the_floor(name: str) -> None:
     for planner in CHEAP:
         least = F.least(graph, F.candidates(graph, C.build_chain(graph), planner, {}))
         assert least.peak_bytes >= floor.floor_bytes, planner
+    plan = F.fit(graph, "optimal", None, {})
+    assert any(n.startswith(f"floor {format_bytes(floor.floor_bytes)}") for n in plan.notes)

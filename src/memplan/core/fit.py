@@ -47,14 +47,14 @@ def fit(graph: g.Graph, planner: str, budget_bytes: int | None, params: dict[str
     if not evaluable(graph):
         return runs[0](budget_bytes)  # an old graph: the chain model's prediction alone
     if budget_bytes is None:
-        return least(graph, runs)
+        return _floored(graph, least(graph, runs))
     notes: list[str] = []
     target = budget_bytes
     for _ in range(RETRIES + 1):
         found = [_evaluated(graph, p) for p in _accepting(runs, target)]
         fitting = [p for p in found if p.peak_bytes <= budget_bytes]
         if fitting:
-            return _noted(min(fitting, key=_cost), budget_bytes, notes)
+            return _floored(graph, _noted(min(fitting, key=_cost), budget_bytes, notes))
         if not found:
             break
         over = min(p.peak_bytes for p in found) - budget_bytes
@@ -65,7 +65,8 @@ def fit(graph: g.Graph, planner: str, budget_bytes: int | None, params: dict[str
             break
     low = least(graph, runs)
     if low.peak_bytes <= budget_bytes:
-        return _noted(low, budget_bytes, notes + ["the least-peak plan is returned"])
+        return _floored(graph, _noted(low, budget_bytes,
+                                      notes + ["the least-peak plan is returned"]))
     raise refusal(graph, chain, budget_bytes, planner, low.peak_bytes, params)
 
 
@@ -173,6 +174,16 @@ def _evaluated(graph: g.Graph, plan: Plan) -> Plan:
     plain = graph.peak_bytes or plan.plain_peak_bytes
     return dataclasses.replace(plan, peak_bytes=ev.peak_bytes, plain_peak_bytes=plain,
                                notes=notes)
+
+
+def _floored(graph: g.Graph, plan: Plan) -> Plan:
+    """The plan with a note of the floor (``memplan.core.floor``): how far it is from the
+    least peak any plan of this step could have."""
+    floor = peak_floor(graph)
+    note = (f"floor {format_bytes(floor.floor_bytes)} ({floor.floor_bytes:,} B): no plan of "
+            f"this step goes below it (at {floor.where}); this plan's peak is "
+            f"{plan.peak_bytes / max(floor.floor_bytes, 1):.2f}x of it")
+    return dataclasses.replace(plan, notes=plan.notes + (note,))
 
 
 def _noted(plan: Plan, budget_bytes: int, notes: list[str]) -> Plan:
