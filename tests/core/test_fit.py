@@ -12,10 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from memplan.core import chain as C
-from memplan.core.budget import format_bytes
 from memplan.core import fit as F
 from memplan.core import graph as g
 from memplan.core import liveness as L
+from memplan.core.budget import format_bytes
 from memplan.core.evaluate import evaluate
 from memplan.core.floor import peak_floor
 from memplan.core.planners import PLANNERS
