@@ -197,12 +197,17 @@ def _regions(st: I64, cid: I32, n_cls: int, tab: I64, pool: I64, s: int, t: int,
     top = t == k - 1
     tf0 = TF0_TOP if top else TF0_IN
     fwd, fsum = NEG, 0
+    whole = 0
+    for q in range(s, t + 1):
+        whole += st[COST, q]
     for e in range(s, min(t, last + 1)):
         # The region's first forward keeps nothing but the inputs of its later stages.
         fwd = max(fwd, st[tf0, e] + (st[X, e - 1] if e > s else 0))
         fsum += st[COST, e]
         if g + fwd > cap:
             break  # monotone in e
+        if whole + fsum > cost_cap:
+            break  # every stage runs once, the body's twice: monotone in e too
         need = g + (max(fwd, st[EXIT_TOP, e]) if top else fwd)
         if need > cap:
             continue
