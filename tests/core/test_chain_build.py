@@ -15,7 +15,7 @@ from memplan.core.ops import is_expensive
 from tests.core.graphs import NAMES, tiny
 
 ARRAYS = ("first", "last", "f", "b", "x", "xbar", "d", "xsac", "xsac_b", "fcheap", "tf", "tf0",
-          "tb", "gb")
+          "tb", "gb", "held_end")
 
 
 def reference_resident(graph: g.Graph) -> tuple[set[int], list[set[int]], dict[int, int]]:
@@ -49,6 +49,22 @@ def reference_resident(graph: g.Graph) -> tuple[set[int], list[set[int]], dict[i
     leaves = {v: graph.values[v].death for v in resident if v not in shared
               and graph.values[v].death is not None and graph.values[v].death < n_ops}
     return resident, live, leaves  # type: ignore[return-value]
+
+
+def reference_cut_sets(graph: g.Graph, cut_idx: list[int]) -> tuple[list[set[int]], list[int]]:
+    """Per chosen cut: the values only held there (not read after it; a saved one only where
+    it is held across no other chosen cut), and the bytes of the resident values dying in the
+    forward that are read across it and no other chosen cut."""
+    _, cut_live, leaves = reference_resident(graph)
+    n_ops = len(graph.ops)
+    held = [cut_live[i] - set(graph.cut_points[i].live) for i in cut_idx]
+    saved = {v for h in held for v in h if graph.values[v].death is None
+             or graph.values[v].death >= n_ops}
+    held = [{v for v in h if v not in saved or sum(v in o for o in held) == 1} for h in held]
+    reads = [set(graph.cut_points[i].live) & set(leaves) for i in cut_idx]
+    res = [sum(graph.values[v].nbytes for v in r if sum(v in o for o in reads) == 1)
+           for r in reads]
+    return held, res
 
 
 def reference_clean_cuts(graph: g.Graph) -> list[int]:
@@ -103,8 +119,9 @@ def reference_build_chain(graph: g.Graph, cuts: list[int] | None = None) -> C.Ch
             end = (v.death if not retained and v.death is not None
                    else max(last_fwd_use.get(v.id, v.birth), unsaved))
             tf0_acc[s].append((v.birth, max(end, v.birth), v.nbytes))
-    x = np.array([sum(graph.values[v].nbytes for v in cut_live[i]) for i in cut_idx],
-                 dtype=np.int64)
+    held, res = reference_cut_sets(graph, cut_idx)
+    x = np.array([sum(graph.values[v].nbytes for v in cut_live[i] - held[s]) + res[s]
+                  for s, i in enumerate(cut_idx)], dtype=np.int64)
     x_kept = np.zeros(k, dtype=np.int64)
     xsac = np.zeros(k, dtype=np.int64)
     xsac_b = np.zeros(k, dtype=np.int64)
@@ -123,7 +140,7 @@ def reference_build_chain(graph: g.Graph, cuts: list[int] | None = None) -> C.Ch
             fcheap[s] += op.fwd_flops
             cheap[s].append(op.index)
     for s, ci in enumerate(cut_idx):
-        live = cut_live[ci]
+        live = cut_live[ci] - held[s]
         for vid in sorted(live):
             v = graph.values[vid]
             if v.death is None or v.death >= n_ops:
@@ -148,6 +165,9 @@ def reference_build_chain(graph: g.Graph, cuts: list[int] | None = None) -> C.Ch
         # resident values made before the stage and still there
         there = sum(graph.values[v].nbytes for v in resident if graph.values[v].producer >= 0
                     and graph.values[v].producer < lo and leaves.get(v, n_ops) >= lo)
+        # ... less those counted in the previous cut's bytes, plus the values only held there
+        there += (sum(graph.values[v].nbytes for v in held[s - 1] if graph.values[v].death
+                      is not None and graph.values[v].death < n_ops) - res[s - 1]) if s else 0
         tf[s] = max(timeline[lo : hi + 1]) - start + there
         tf0[s] = _span_peak(tf0_acc[s], lo, hi) + there
     # Backward: group backward ops by the stage whose gradient they compute.
@@ -180,6 +200,8 @@ def reference_build_chain(graph: g.Graph, cuts: list[int] | None = None) -> C.Ch
         d=d, xsac=xsac, xsac_b=xsac_b, fcheap=fcheap, tf=tf, tf0=tf0, tb=tb, gb=gb,
         base_bytes=base, step_flops=graph.step_flops,
         cheap_ops=tuple(tuple(c) for c in cheap),
+        xh=np.array([sum(graph.values[v].nbytes for v in h if graph.values[v].death is None
+                         or graph.values[v].death >= n_ops) for h in held], dtype=np.int64),
     )
 
 

@@ -50,7 +50,8 @@ def chains(draw: st.DrawFn, size: int | None = None) -> C.Chain:
                    tf0, ints(0, 15), ints(-5, 10), 3, 100,
                    tfr=np.minimum(tf, ints(0, 15)) if replay else None,
                    tfr0=np.minimum(tf0, ints(0, 10)) if replay else None,
-                   tfs=np.minimum(tf, ints(0, 15)) if replay else None)
+                   tfs=np.minimum(tf, ints(0, 15)) if replay else None,
+                   xh=ints(0, 6) if draw(st.booleans()) else None)
 
 
 @st.composite
@@ -63,7 +64,8 @@ def repeating_chains(draw: st.DrawFn, max_k: int = 6) -> C.Chain:
     steps = draw(st.lists(st.integers(-5, 25), min_size=1, max_size=2))  # not tied to kinds
     step = draw(st.lists(st.sampled_from(steps), min_size=len(seq), max_size=len(seq)))
     pick = {n: np.array([getattr(kinds[i], n)[0] for i in seq], dtype=np.int64) for n in (
-        "f", "b", "x", "xbar", "d", "xsac", "xsac_b", "fcheap", "tf", "tf0", "tb")}
+        "f", "b", "x", "xbar", "d", "xsac", "xsac_b", "fcheap", "tf", "tf0", "tb", "held_end")}
+    pick["xh"] = pick.pop("held_end")
     gb = np.cumsum(step[::-1])[::-1] + draw(st.integers(-5, 10))
     with_replay = all(kind.tfr is not None for kind in kinds)
     replay = {n: np.array([getattr(kinds[i], n)[0] for i in seq], dtype=np.int64)

@@ -64,6 +64,11 @@ class Chain:
     tfs: I64 | None = None  # a drop-cheap stage's forward (cheap outputs not kept)
     # How the runtime finds each stage's end (CutPoint.kind); () when all are "call".
     kinds: tuple[str, ...] = ()
+    # Bytes saved for backward, made no later than the stage and read no more, that the user's
+    # code holds across its cut and no other (an LSTM's previous cell state until the step
+    # returns): not a checkpoint's (a region's tape does not keep them), but a region ending
+    # at the cut leaves them to the next stage's forward. None: zeros.
+    xh: I64 | None = None
 
     @property
     def n(self) -> int:
@@ -76,6 +81,10 @@ class Chain:
     @property
     def tf0_replay(self) -> I64:
         return self.tf0 if self.tfr0 is None else self.tfr0
+
+    @property
+    def held_end(self) -> I64:
+        return np.zeros_like(self.x) if self.xh is None else self.xh
 
     @property
     def tf_sac(self) -> I64:
@@ -137,6 +146,10 @@ class GraphArrays:
     cut_min_producer: I64  # earliest producer among a cut's live values (n_ops if none)
     cut_of: I64  # (cut, value) pairs of those live sets
     cut_live: I64
+    held_of: I64  # (cut, value) pairs of them only held there: past their last read
+    held_vid: I64
+    res_of: I64  # (cut, value) pairs of resident values read across a cut, dead by the backward
+    res_vid: I64
     resident: npt.NDArray[np.bool_]  # per value: resident, no stage's bytes (``_resident``)
     resident_end: I64  # a resident value's last forward op (NO_DEATH: into the backward)
 
@@ -200,11 +213,12 @@ def _extract(graph: g.Graph) -> GraphArrays:
     cum_died = np.concatenate(([0], np.cumsum(died[: n_events - 1]))) if n_events else died[:0]
     timeline = int(nbytes[pre].sum()) + np.cumsum(born[:n_events]) - cum_died
     fwd_flops, bwd_flops = _ints(ops, "fwd_flops"), _ints(ops, "bwd_flops")
-    resident, resident_end, cut_i, live = _resident(graph, death)
+    resident, resident_end, cut_i, live, held_i, held = _resident(graph, death)
     # Clean cuts (``clean_cuts``) by what restarting the forward there reads: values only
     # held across a cut (``liveness.held_past_cuts``) count in its bytes, not in its live set.
     read_i, read = _flat(cuts, "live")
     keep = ~resident[read]
+    dying = resident[read] & (resident_end[read] != NO_DEATH)
     min_prod = np.full(len(cuts), n_ops, dtype=np.int64)
     np.minimum.at(min_prod, read_i[keep], producer[read[keep]])
     cut_bytes = np.zeros(len(cuts), dtype=np.int64)
@@ -218,13 +232,16 @@ def _extract(graph: g.Graph) -> GraphArrays:
         died=died, born0=int(born[0]), base_bytes=int(nbytes[pre].sum()),
         step_flops=int(fwd_flops.sum()) + int(_ints(bops, "fwd_flops").sum()),
         cut_after=_ints(cuts, "after"), cut_bytes=cut_bytes, cut_min_producer=min_prod,
-        cut_of=cut_i, cut_live=live, resident=resident, resident_end=resident_end,
+        cut_of=cut_i, cut_live=live, held_of=held_i, held_vid=held, res_of=read_i[dying],
+        res_vid=read[dying], resident=resident, resident_end=resident_end,
     )
 
 
-def _resident(graph: g.Graph, death: I64) -> tuple[npt.NDArray[np.bool_], I64, I64, I64]:
-    """Which values are resident rather than a stage's bytes, until which forward op, and the
-    cut live sets the chain uses: (resident, resident_end, cut index, value) pairs.
+def _resident(graph: g.Graph, death: I64
+              ) -> tuple[npt.NDArray[np.bool_], I64, I64, I64, I64, I64]:
+    """Which values are resident rather than a stage's bytes, until which forward op, the
+    cut live sets the chain uses, (cut index, value) pairs, and of those the pairs of values
+    only held there (past their last read).
 
     Resident: shared values (``liveness.shared_values``), skips (``liveness.skip_values``: a
     U-Net's encoder outputs), values the user's code holds past their last read across two or
@@ -249,15 +266,20 @@ def _resident(graph: g.Graph, death: I64) -> tuple[npt.NDArray[np.bool_], I64, I
     resident_end = np.where(saved_or_shared, NO_DEATH, death)
     cut_i, live = _flat(cuts, "live")
     spans = [(v, a, b) for v, (a, b) in held.items() if not resident[v]]
+    held_i = held_v = np.zeros(0, dtype=np.int64)
     if spans:
-        cut_i = np.concatenate((cut_i, np.concatenate([np.arange(a, b + 1) for _, a, b in spans])))
-        live = np.concatenate((live, np.concatenate([np.full(b - a + 1, v) for v, a, b in spans])))
+        held_i = np.concatenate([np.arange(a, b + 1) for _, a, b in spans])
+        held_v = np.concatenate([np.full(b - a + 1, v) for v, a, b in spans])
+        cut_i, live = np.concatenate((cut_i, held_i)), np.concatenate((live, held_v))
+        only = ~np.isin(held_i * nv + held_v, cut_i[: len(cut_i) - len(held_i)] * nv
+                        + live[: len(live) - len(held_v)])  # (a returned value is both)
+        held_i, held_v = held_i[only], held_v[only]
     pairs = np.unique(cut_i * nv + live)  # once each (outputs are both)
     cut_i, live = pairs // nv, pairs % nv
     crossings = np.bincount(live, minlength=nv)
     resident |= (crossings >= 2) & (death < n_ops)
-    keep = ~resident[live]
-    return resident, resident_end, cut_i[keep], live[keep]
+    keep, keep_held = ~resident[live], ~resident[held_v]
+    return resident, resident_end, cut_i[keep], live[keep], held_i[keep_held], held_v[keep_held]
 
 
 def _held_long(cuts: tuple[g.CutPoint, ...], first: int, last: int, death: int) -> bool:
@@ -279,9 +301,9 @@ def build_chain(graph: g.Graph, cuts: list[int] | None = None) -> Chain:
     ga = graph_arrays(graph)
     cut_idx = np.array(clean_cuts(graph) if cuts is None else list(cuts), dtype=np.int64)
     st = _stages(ga, cut_idx)
-    x, xbar, d, xsac, xsac_b = _stage_bytes(graph, ga, st, cut_idx)
+    x, xbar, d, xsac, xsac_b, held, xh, res = _stage_bytes(graph, ga, st, cut_idx)
     f, b, fcheap, cheap = _stage_flops(ga, st)
-    tf, tf0, tfr, tfr0, tfs = _forward_transients(ga, st)
+    tf, tf0, tfr, tfr0, tfs = _forward_transients(ga, st, held, res)
     tb, gb = _backward_transients(ga, st, xbar, d)
     # Stages wholly after the model's forward (the loss) run outside the model, where the
     # runtime cannot recompute: make recomputing them cost more than any plain step.
@@ -296,7 +318,7 @@ def build_chain(graph: g.Graph, cuts: list[int] | None = None) -> Chain:
         modules=tuple(graph.cut_points[int(i)].module for i in cut_idx), f=f, b=b, x=x,
         xbar=xbar, d=d, xsac=xsac, xsac_b=xsac_b, fcheap=fcheap, tf=tf, tf0=tf0, tb=tb, gb=gb,
         base_bytes=ga.base_bytes, step_flops=ga.step_flops, cheap_ops=cheap, tfr=tfr,
-        tfr0=tfr0, tfs=tfs, kinds=tuple(graph.cut_points[int(i)].kind for i in cut_idx),
+        tfr0=tfr0, tfs=tfs, kinds=tuple(graph.cut_points[int(i)].kind for i in cut_idx), xh=xh,
     )
 
 
@@ -327,19 +349,20 @@ def _stages(ga: GraphArrays, cut_idx: I64) -> _Stages:
 
 
 def _stage_bytes(graph: g.Graph, ga: GraphArrays, st: _Stages, cut_idx: I64
-                 ) -> tuple[I64, I64, I64, I64, I64]:
+                 ) -> tuple[I64, I64, I64, I64, I64, I64, I64, I64]:
     """x (a checkpoint's bytes), xbar (what a plain run keeps), d (the part of x nobody
-    saves), xsac and xsac_b (what a drop-cheap stage keeps, and holds at its backward)."""
+    saves), xsac and xsac_b (what a drop-cheap stage keeps, and holds at its backward), and
+    per cut: the unsaved bytes only held there, the saved ones (``Chain.xh``), and the
+    resident bytes counted in x (``_cut_sets``)."""
     nbytes, nv, k, retained = ga.nbytes, len(ga.nbytes), st.k, st.retained
     own = st.made & ~ga.resident  # resident values are no stage's bytes
     kept = _exact_sum(st.v_stage, nbytes, own & retained, k)
-    # Cut live sets: x_kept, and which expensive outputs each stage's cut carries.
-    position = np.full(len(ga.cut_after), -1, dtype=np.int64)
-    position[cut_idx] = np.arange(k)
-    chosen = position[ga.cut_of] >= 0
-    pairs = np.unique(position[ga.cut_of[chosen]] * nv + ga.cut_live[chosen])
+    pairs, held, res = _cut_sets(ga, cut_idx, k)
     cut_of, live = pairs // nv, pairs % nv
-    x = ga.cut_bytes[cut_idx]
+    h_of, h_vid = held // nv, held % nv
+    held_free = _exact_sum(h_of, nbytes[h_vid], ~retained[h_vid], k)
+    held_saved = _exact_sum(h_of, nbytes[h_vid], retained[h_vid], k)
+    x = ga.cut_bytes[cut_idx] - held_free - held_saved + res
     x_kept = _exact_sum(cut_of, nbytes[live], retained[live], k)
     exp = ga.expensive[ga.out_op] & ~ga.resident[ga.out_vid]
     ex_pairs = np.unique(st.stage_of_op[ga.out_op[exp]] * nv + ga.out_vid[exp])
@@ -348,7 +371,34 @@ def _stage_bytes(graph: g.Graph, ga: GraphArrays, st: _Stages, cut_idx: I64
     exp_kept = _exact_sum(ex_stage, nbytes[ex_vid], retained[ex_vid], k)
     not_kept_exp = _exact_sum(ex_stage, nbytes[ex_vid], ~retained[ex_vid], k)
     d = x - x_kept
-    return x, kept + d, d, x + exp_kept + not_kept_exp, kept + d + not_kept_exp
+    return (x, kept + d, d, x + exp_kept + not_kept_exp, kept + d + not_kept_exp, held_free,
+            held_saved, res)
+
+
+def _cut_sets(ga: GraphArrays, cut_idx: I64, k: int) -> tuple[I64, I64, I64]:
+    """What each chosen cut carries, as stage * n_values + value keys: the values counted in
+    its checkpoint (read across it: a scope starting there keeps them on its tape, see
+    ``evaluate``), the values only held there (the user's code refers to them past their last
+    read; they die in the forward, so no tape keeps them), and the bytes of the resident
+    values read across it and no other chosen cut that die in the forward (an LSTM's hidden
+    state: a tape keeps them until its backward, like any input). A saved value held across
+    two or more chosen cuts counts in their checkpoints, as before (conservative)."""
+    nv = len(ga.nbytes)
+    position = np.full(len(ga.cut_after), -1, dtype=np.int64)
+    position[cut_idx] = np.arange(k)
+    chosen = position[ga.cut_of] >= 0
+    both = np.unique(position[ga.cut_of[chosen]] * nv + ga.cut_live[chosen])
+    on = position[ga.held_of] >= 0
+    held = np.unique(position[ga.held_of[on]] * nv + ga.held_vid[on])
+    h_vid = held % nv
+    saved = ga.death[h_vid] >= ga.n_ops
+    held = held[~saved | (np.bincount(h_vid, minlength=nv)[h_vid] == 1)]
+    pairs = both[~np.isin(both, held)]
+    on = position[ga.res_of] >= 0
+    r_of, r_vid = position[ga.res_of[on]], ga.res_vid[on]
+    once = np.bincount(r_vid, minlength=nv)[r_vid] == 1
+    res = _exact_sum(r_of, ga.nbytes[r_vid], once, k)
+    return pairs, held, res
 
 
 def _stage_flops(ga: GraphArrays, st: _Stages
@@ -368,12 +418,15 @@ def _stage_flops(ga: GraphArrays, st: _Stages
     return f, b, fcheap, cheap
 
 
-def _forward_transients(ga: GraphArrays, st: _Stages) -> tuple[I64, I64, I64, I64, I64]:
+def _forward_transients(ga: GraphArrays, st: _Stages, held: I64, res_read: I64
+                        ) -> tuple[I64, I64, I64, I64, I64]:
     """Peaks above a stage's start: tf (plain, from the trace), tf0 (nothing saved: spans
     birth .. death, or last forward use when kept), and the runtime's replays (``replay``):
     tfr (a kept stage replayed: saved values stay), tfr0 (a nested region's ops replayed:
     each value lives to its last use), tfs (a drop-cheap stage's first forward: expensive
-    outputs kept, the rest die as in the plain run)."""
+    outputs kept, the rest die as in the plain run). ``held``, ``res``: per cut, bytes only
+    held across it (no checkpoint's: the next stage's first forward holds them) and resident
+    bytes counted in its checkpoint (so not again as resident in the next stage)."""
     tl, died, firsts, span = ga.timeline, ga.died, st.firsts, st.span
     start = np.where(firsts > 0, tl[np.maximum(firsts - 1, 0)] - died[np.maximum(firsts - 1, 0)],
                      tl[0] - ga.born0)
@@ -401,8 +454,10 @@ def _forward_transients(ga: GraphArrays, st: _Stages) -> tuple[I64, I64, I64, I6
     ends = ga.resident_end[res]
     dies = ends < ga.n_ops
     np.subtract.at(change, ends[dies] + 1, ga.nbytes[res][dies])
-    sh_in = np.cumsum(change)[firsts]
-    return tuple(a + sh_in for a in (tf, tf0, tfr, tfr0, tfs))  # type: ignore[return-value]
+    sh_in = np.cumsum(change)[firsts] - np.concatenate(([0], res_read[:-1]))
+    held_in = np.concatenate(([0], held[:-1]))
+    return (tf + sh_in + held_in, tf0 + sh_in + held_in, tfr + sh_in, tfr0 + sh_in,
+            tfs + sh_in + held_in)
 
 
 def _backward_transients(ga: GraphArrays, st: _Stages, xbar: I64, d: I64) -> tuple[I64, I64]:

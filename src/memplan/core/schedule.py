@@ -76,6 +76,8 @@ def _run(c: Chain, items: tuple[Item, ...], pos: int, used: int, droppable: bool
         else:
             s, e = it.start, it.end
             fwd = max(int(tf0[k]) + (int(c.x[k - 1]) if k > s else 0) for k in range(s, e + 1))
+            if not replay:  # the user's code still holds what it saved: the next forward
+                fwd = max(fwd, region_exit(c, e))
             now = used + int(c.x[e])
             # Gradient bytes when the region replays: gb counts the unsaved part of its output
             # (d) as resident, but it was freed in the forward.
@@ -84,6 +86,17 @@ def _run(c: Chain, items: tuple[Item, ...], pos: int, used: int, droppable: bool
             flops += int(c.f[s : e + 1].sum()) + f_body
         used, droppable = now, True
     return peak, flops
+
+
+def region_exit(c: Chain, e: int) -> int:
+    """Bytes above a top-level region's start while the stage after its end e runs forward
+    (any mode): its checkpoint, plus what the region saved that the user's code still holds
+    (``Chain.xh``: the tape does not keep it, the user's code does, for that stage); 0 when
+    there is none (the next stage's own need covers it)."""
+    if e + 1 >= c.n or c.held_end[e] == 0:
+        return 0
+    nxt = max(int(c.tf[e + 1]), int(c.tf0[e + 1]), int(c.tf_sac[e + 1]))
+    return int(c.x[e]) + int(c.held_end[e]) + nxt
 
 
 def validate(chain: Chain, schedule: tuple[Item, ...], start: int = 0, end: int | None = None,

@@ -31,7 +31,7 @@ def merge(c: Chain, groups: list[tuple[int, int]]) -> Chain:
     dprev = np.concatenate(([0], c.d[:-1]))
     out: dict[str, list[int]] = {n: [] for n in ("f", "b", "x", "xbar", "d", "xsac", "xsac_b",
                                                  "fcheap", "tf", "tf0", "tb", "gb", "tfr",
-                                                 "tfr0", "tfs")}
+                                                 "tfr0", "tfs", "xh")}
     for a, b in groups:
         own = c.xbar[a : b + 1] - np.concatenate(([0], dprev[a + 1 : b + 1]))
         res = np.concatenate(([0], np.cumsum(own)))
@@ -49,7 +49,7 @@ def merge(c: Chain, groups: list[tuple[int, int]]) -> Chain:
             "tf0": int(np.max(c.tf0[a : b + 1] + xin)), "tb": tb, "gb": gb,
             "tfr": int(np.max(res[:-1] + c.tf_replay[a : b + 1])),
             "tfr0": int(np.max(c.tf0_replay[a : b + 1] + xin)),
-            "tfs": int(np.max(xs[:-1] + c.tf_sac[a : b + 1])),
+            "tfs": int(np.max(xs[:-1] + c.tf_sac[a : b + 1])), "xh": int(c.held_end[b]),
         }
         for name, v in vals.items():
             out[name].append(v)
@@ -61,7 +61,7 @@ def merge(c: Chain, groups: list[tuple[int, int]]) -> Chain:
         step_flops=c.step_flops, f=arr["f"], b=arr["b"], x=arr["x"], xbar=arr["xbar"],
         d=arr["d"], xsac=arr["xsac"], xsac_b=arr["xsac_b"], fcheap=arr["fcheap"], tf=arr["tf"],
         tf0=arr["tf0"], tb=arr["tb"], gb=arr["gb"], tfr=arr["tfr"], tfr0=arr["tfr0"],
-        tfs=arr["tfs"],
+        tfs=arr["tfs"], xh=arr["xh"],
     )
 
 

@@ -32,8 +32,8 @@ BIG = 1 << 62
 KEEP, DROP_CHEAP = -1, -2
 # Rows of the stage table (``optimal.stage_table``), one column per stage.
 (COST, CHEAP, X, XBAR, DPREV, XSAC, TF_TOP, TF_IN, NEED_B, DC_NEED, TF0_TOP, TF0_IN, GF_IN,
- GB) = range(14)
-ROWS = 14
+ GB, EXIT_TOP) = range(15)
+ROWS = 15
 
 
 @jit
@@ -194,21 +194,30 @@ def _regions(st: I64, cid: I32, n_cls: int, tab: I64, pool: I64, s: int, t: int,
     """env (ne points) joined by the choices 'region s..e, then e+1..t' for e <= last (the
     last e whose body fits at all); returns the size and the buffers."""
     k = st.shape[1]
-    tf0 = TF0_TOP if t == k - 1 else TF0_IN
+    top = t == k - 1
+    tf0 = TF0_TOP if top else TF0_IN
     fwd, fsum = NEG, 0
+    whole = 0
+    for q in range(s, t + 1):
+        whole += st[COST, q]
     for e in range(s, min(t, last + 1)):
         # The region's first forward keeps nothing but the inputs of its later stages.
         fwd = max(fwd, st[tf0, e] + (st[X, e - 1] if e > s else 0))
         fsum += st[COST, e]
         if g + fwd > cap:
             break  # monotone in e
+        if whole + fsum > cost_cap:
+            break  # every stage runs once, the body's twice: monotone in e too
+        need = g + (max(fwd, st[EXIT_TOP, e]) if top else fwd)
+        if need > cap:
+            continue
         brow, bsh = ref(cid, st[GB], n_cls, s, e)
         rrow, rsh = ref(cid, st[GB], n_cls, e + 1, t)
         ao, an, bo, bn = tab[brow, 0, 0], tab[brow, 0, 1], tab[rrow, 1, 0], tab[rrow, 1, 1]
         if an == 0 or bn == 0:
             continue
         tmp = _room(tmp, ne + an + bn)
-        w = _with_region(pool, ao, an, bsh, bo, bn, rsh + st[X, e], g + fwd, fsum, cap,
+        w = _with_region(pool, ao, an, bsh, bo, bn, rsh + st[X, e], need, fsum, cap,
                          cost_cap, e - s, env, ne, tmp)
         if w >= 0:
             ne, env, tmp = w, tmp, env
@@ -329,7 +338,8 @@ def least_need(st: I64, cid: I32, n_cls: int, allow_dc: bool) -> int:
                 fwd = max(fwd, st[tf0, e] + (st[X, e - 1] if e > s else 0))
                 brow, bsh = ref(cid, st[GB], n_cls, s, e)
                 rrow, rsh = ref(cid, st[GB], n_cls, e + 1, t)
-                best = min(best, max(g + fwd, need[brow, 0] + bsh,
+                nf = max(fwd, st[EXIT_TOP, e]) if top else fwd
+                best = min(best, max(g + nf, need[brow, 0] + bsh,
                                      need[rrow, 1] + rsh + st[X, e]))
             rrow, rsh = ref(cid, st[GB], n_cls, s + 1, t)
             rest = need[rrow, 1] + rsh

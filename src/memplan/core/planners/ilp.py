@@ -192,6 +192,10 @@ def _build(c: C.Chain, budget_bytes: int | None, depth: int, drop_cheap: bool
             terms = [(w[0][k], 1.0), (w[0][k + 1], -1.0), (cv[0][k], float(xsac[k]) - step)]
             terms += [(i, -step) for i in at("in", 1, k)] + [(i, float(x[k])) for i in at("z", 1, k)]
             m.row(terms, -math.inf, -step)
+            exit_k = S.region_exit(c, k) / u - float(x[k])  # beyond W[0, k+1], which holds x_k
+            if exit_k > 0 and depth:  # a top-level region ending at k: the next forward
+                m.le_big([(w[0][k + 1], 1.0)] + peak, rhs - exit_k,
+                         [(i, -1.0) for i in at("z", 1, k)], 1.0)
         for lv in levels:
             m.le_big([(w[lv - 1][k], 1.0), (w[lv][k], -1.0)], 0.0, [(a[lv][k], -1.0)], 1.0)
             if k:

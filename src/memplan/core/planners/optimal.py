@@ -52,6 +52,10 @@ def stage_table(c: Chain, cost: I64 | None = None, slot: int = 1) -> I64:
         return -(-v // slot)
 
     gb = up(c.gb)
+    nxt = np.maximum(np.maximum(c.tf, c.tf0), c.tf_sac)[1:]
+    held = c.held_end
+    exit_top = np.where(held > 0, c.x + held + np.append(nxt, 0), 0)  # ``region_exit``
+    exit_top[-1] = 0
     rows = np.empty((F.ROWS, c.n), dtype=np.int64)
     for row, v in ((F.COST, f), (F.CHEAP, cheap), (F.X, up(c.x)), (F.XBAR, up(c.xbar)),
                    (F.DPREV, np.concatenate(([0], c.d[:-1])) // slot), (F.XSAC, up(c.xsac)),
@@ -59,7 +63,8 @@ def stage_table(c: Chain, cost: I64 | None = None, slot: int = 1) -> I64:
                    (F.NEED_B, up(c.xbar + c.tb) + gb),
                    (F.DC_NEED, up(np.maximum(c.tf_sac, c.need_sac_b))),
                    (F.TF0_TOP, up(c.tf0)), (F.TF0_IN, up(c.tf0_replay)),
-                   (F.GF_IN, up(c.d) + gb), (F.GB, gb)):
+                   (F.GF_IN, up(c.d) + gb), (F.GB, gb),
+                   (F.EXIT_TOP, up(exit_top))):
         rows[row] = v
     return rows
 
