@@ -377,17 +377,20 @@ class StepTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
         """The tensors ``node`` saved under ``name``, as stored: what ``pack`` returned (which
         shares the saved tensor's storage), read off ``_raw`` + ``name`` without unpacking
         (an unpack makes a new tensor, through the mode). Saves packed by other hooks (the
-        user's own) are unpacked."""
+        user's own) are unpacked, paused: their unpack hook may run ops."""
         raw = getattr(node, "_raw" + name, None)
         if raw is not None:
             stored = [r.data for r in raw] if isinstance(raw, (list, tuple)) else [raw.data]
             if all(d is None or isinstance(d, torch.Tensor) for d in stored):
                 return [d for d in stored if d is not None]
-        with self.paused():
-            try:
+        try:
+            if raw is None:  # sizes, scalars: nothing to unpack
                 val = getattr(node, name)
-            except RuntimeError:  # e.g. an optional tensor that was not saved
-                return []
+            else:
+                with self.paused():
+                    val = getattr(node, name)
+        except RuntimeError:  # e.g. an optional tensor that was not saved
+            return []
         return [t for t in (val if isinstance(val, (tuple, list)) else (val,))
                 if isinstance(t, torch.Tensor)]
 
