@@ -18,6 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from memplan.core.graph import Graph
 from memplan.tracing.capture import capture_target
 from memplan.tracing.step import Target, as_target
+from memplan.tracing.tracer import StepTracer
 from tests.builders import unet_inputs, unet_loss
 from tests.small import small
 from tests.tracing.test_user_models import (
@@ -119,3 +120,44 @@ def test_fast_path_skips_the_fake_mode_for_repeated_ops() -> None:
     make = _workload("lstm")
     slow, fast = _fake_dispatches(make(), fast=False), _fake_dispatches(make(), fast=True)
     assert fast * 3 < slow, (fast, slow)
+
+
+class OwnSaveHooks(torch.nn.Module):
+    """Packs what its middle layer saves with saved-tensor hooks of its own (as activation
+    offloading does): those saves are not memplan's proxies, and read back unpacked."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = (torch.nn.Linear(16, 16) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: ("boxed", t), lambda b: b[1]):
+            h = torch.sigmoid(self.b(h)) * h
+        return self.c(h / 2.0)
+
+
+def _own_save_hooks() -> Target:
+    torch.manual_seed(0)
+    return as_target(OwnSaveHooks(), (torch.randn(4, 16),), lambda out: out.square().mean())
+
+
+def _unpacked_saves(self: StepTracer, node: Any, name: str) -> list[torch.Tensor]:
+    """What a node saved under ``name``, unpacked (through the hooks and a detach each)."""
+    with self.paused():
+        try:
+            val = getattr(node, name)
+        except RuntimeError:
+            return []
+    return [t for t in (val if isinstance(val, (tuple, list)) else (val,))
+            if isinstance(t, torch.Tensor)]
+
+
+@pytest.mark.parametrize("case", ["lstm", "gpt", "inplace_views", "hf_llama", "own_save_hooks"])
+def test_saves_read_off_the_node_equal_unpacked_saves(case: str, monkeypatch: Any) -> None:
+    make = {**CASES, "own_save_hooks": _own_save_hooks}[case]
+    read = capture_target(make())
+    monkeypatch.setattr(StepTracer, "_saved_tensors", _unpacked_saves)
+    unpacked = capture_target(make())
+    assert read.to_json() == unpacked.to_json()
+    assert any(op.saved for op in read.ops)

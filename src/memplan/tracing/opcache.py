@@ -37,6 +37,7 @@ _UNCACHED_TAGS = (torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_outpu
 _SCALARS = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
             torch.memory_format)
 _SELECT = torch.ops.aten.select.int
+_DETACH = torch.ops.aten.detach.default
 _META = torch.device("meta")
 
 
@@ -46,29 +47,37 @@ class FakeOpCache:
 
     def __init__(self, fake: FakeTensorMode) -> None:
         self.fake = fake
-        self._entries: dict[tuple[Any, ...], Any] = {}
-        self._cacheable: dict[Any, bool] = {}
-        self._aliasing: dict[Any, bool] = {}
+        # Keyed by id(func) (an OpOverload hashes in Python); each value holds func itself, so
+        # that an id reused by another overload is never taken for it.
+        self._entries: dict[tuple[Any, ...], tuple[Any, Any]] = {}
+        self._ops: dict[int, tuple[Any, bool, bool]] = {}  # id -> (func, cacheable, aliasing)
         self._make = _fast_fake_tensor if _fast_matches(fake) else _slow_fake_tensor
 
     def call(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if func is _DETACH and not kwargs:
+            out = self._detach(*args)
+            if out is not None:
+                return out
         if func is _SELECT and not kwargs:
             out = self._select(*args)
             if out is not None:
                 return out
-        ok = self._cacheable.get(func)
-        if ok is None:
-            ok = self._cacheable[func] = (
+        known = self._ops.get(id(func))
+        if known is None or known[0] is not func:
+            known = self._ops[id(func)] = (
+                func,
                 self.fake.cache_enabled and self.fake.shape_env is None
-                and not any(t in func.tags for t in _UNCACHED_TAGS))
-        key = self._key(func, args, kwargs) if ok else None
+                and not any(t in func.tags for t in _UNCACHED_TAGS),
+                func.is_view or any(r.alias_info is not None for r in func._schema.returns))
+        key = self._key(func, args, kwargs, known[2]) if known[1] else None
         if key is None:
             return func(*args, **kwargs)
-        found = self._entries.get(key)
+        hit = self._entries.get(key)
+        found = None if hit is None or hit[0] is not func else hit[1]
         if found is None or found is _SEEN:
             out = func(*args, **kwargs)
-            self._entries[key] = _SEEN if found is None else self._lookup_entry(
-                func, args, kwargs)
+            self._entries[key] = (func, _SEEN if found is None else self._lookup_entry(
+                func, args, kwargs, known[2]))
             return out
         if found is _NEVER:
             return func(*args, **kwargs)
@@ -96,12 +105,32 @@ class FakeOpCache:
                 empty.set_(args[view].untyped_storage(), offset, shape, stride)
         return self._make(self.fake, empty, device)
 
+    def _plain(self, t: Any) -> bool:
+        """Whether ``t`` is a fake tensor of this mode whose aliases ``_alias`` makes as torch's
+        fake kernels do: strided, no constant, no conjugate or negative bit, not quantized."""
+        return type(t) is FakeTensor and t.fake_mode is self.fake and t.constant is None \
+            and t.layout is torch.strided and not t.is_quantized and not t.is_conj() \
+            and not t.is_neg()
+
+    def _alias(self, t: Any, offset: int, shape: Any, stride: Any) -> Any:
+        """A fake tensor over ``t``'s storage with this geometry (not requiring grad)."""
+        with torch._C._DisableTorchDispatch():
+            view = torch.empty((0,), dtype=t.dtype, device=_META)
+            view.set_(t.untyped_storage(), offset, shape, stride)
+        return self._make(self.fake, view, t.fake_device)
+
+    def _detach(self, t: Any) -> Any:
+        """``t.detach()``: autograd unpacks every saved tensor through one (a new key at every
+        call, the storage offset and size being part of it); an alias of ``t``, as the fake
+        mode makes it from its cache entry."""
+        if not self._plain(t):
+            return None
+        return self._alias(t, t.storage_offset(), t.shape, t.stride())
+
     def _select(self, t: Any, dim: Any, index: Any) -> Any:
         """``t.select(dim, index)``, an RNN's ``x[t]``: a new key at every index, so never a
         cache hit; worked out as torch's fake kernel (``meta_select``) does."""
-        if type(t) is not FakeTensor or type(dim) is not int or type(index) is not int \
-                or t.fake_mode is not self.fake or t.constant is not None \
-                or t.layout is not torch.strided or t.is_quantized or not t.dim():
+        if type(dim) is not int or type(index) is not int or not self._plain(t) or not t.dim():
             return None
         shape, stride = list(t.shape), list(t.stride())
         dim = dim + len(shape) if dim < 0 else dim
@@ -113,12 +142,10 @@ class FakeOpCache:
             return None  # the normal path raises torch's own error
         offset = t.storage_offset() + index * stride[dim]
         del shape[dim], stride[dim]
-        with torch._C._DisableTorchDispatch():
-            view = torch.empty((0,), dtype=t.dtype, device=_META)
-            view.set_(t.untyped_storage(), offset, shape, stride)
-        return self._make(self.fake, view, t.fake_device)
+        return self._alias(t, offset, shape, stride)
 
-    def _lookup_entry(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _lookup_entry(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+                      aliasing: bool) -> Any:
         """``FakeTensorMode``'s entry for this call, made when it ran it (or _NEVER: it keeps
         none, having found the op or its output not cacheable)."""
         try:
@@ -129,18 +156,14 @@ class FakeOpCache:
         if not isinstance(entry, _DispatchCacheValidEntry) or not all(
                 _plain_info(i) for i in entry.output_infos):
             return _NEVER
-        if not self._aliasing[func] and any(i.inplace_idx is not None or i.view_idx is not None
+        if not aliasing and any(i.inplace_idx is not None or i.view_idx is not None
                                             for i in entry.output_infos):
             return _NEVER  # an output aliases an argument after all: keep the exact path
         return entry.is_output_tuple, tuple(_recipe(i, func.is_view) for i in entry.output_infos)
 
-    def _key(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    def _key(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], aliasing: bool
              ) -> tuple[Any, ...] | None:
-        aliasing = self._aliasing.get(func)
-        if aliasing is None:
-            aliasing = self._aliasing[func] = func.is_view or any(
-                r.alias_info is not None for r in func._schema.returns)
-        key: list[Any] = [func, torch.get_default_dtype(), torch.is_inference_mode_enabled()]
+        key: list[Any] = [id(func), torch.get_default_dtype(), torch.is_inference_mode_enabled()]
         if not self._describe(args, key, aliasing):
             return None
         if kwargs:

@@ -56,6 +56,9 @@ class _OpRec:
 
 
 _PRIM_DEVICE = torch.ops.prim.device.default
+_META = torch.device("meta")
+_PRE_EXISTING = frozenset((g.PARAMETER, g.BUFFER, g.INPUT, g.EXTERNAL))
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
 # In-place ops whose backward reads none of their tensor arguments (derivatives.yaml).
 _SAVE_NOTHING = frozenset(f"aten.{name}" for name in (
     "copy_.default", "fill_.Scalar", "fill_.Tensor", "zero_.default", "add_.Tensor",
@@ -101,7 +104,7 @@ class StepTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self._pending: list[tuple[int, list[tuple[weakref.ref[torch.Tensor], bool]], int]] = []
         self._hooked_nodes: set[int] = set()
         self._node_refs: list[tuple[Any, int]] = []
-        self._info: dict[Any, OpInfo] = {}
+        self._info: dict[int, tuple[Any, OpInfo]] = {}  # id(func) -> (func, its info)
         self._flops: dict[tuple[Any, ...], int] = {}
         self._constants: list[torch.Tensor] = []  # fake copies of real tensors the step reads
         self._saved_names: dict[type, tuple[str, ...]] = {}
@@ -121,16 +124,21 @@ class StepTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
     def register(self, t: torch.Tensor, kind: str, producer: int = -1) -> int:
         """Start tracking ``t``'s storage (no-op if tracked); returns its value id."""
         storage = t.untyped_storage()
+        vid = self._by_storage.get(storage._cdata)
+        return self._add(t, storage, kind, producer) if vid is None else vid
+
+    def _add(self, t: torch.Tensor, storage: Any, kind: str, producer: int) -> int:
+        """Track ``storage`` (``t``'s, not tracked yet) as a new value."""
         key = storage._cdata
-        vid = self._by_storage.get(key)
-        if vid is not None:
-            return vid
         vid = len(self.values)
         nbytes = int(storage.nbytes())
-        birth = -1 if kind in (g.PARAMETER, g.BUFFER, g.INPUT, g.EXTERNAL) else self.event
+        birth = -1 if kind in _PRE_EXISTING else self.event
+        dtype = t.dtype
+        name = _DTYPE_NAMES.get(dtype)
+        if name is None:
+            name = _DTYPE_NAMES[dtype] = str(dtype)
         self.values.append(
-            _ValueRec(vid, nbytes, kind, producer, birth, None, tuple(t.shape), str(t.dtype),
-                      t.numel())
+            _ValueRec(vid, nbytes, kind, producer, birth, None, tuple(t.shape), name, t.numel())
         )
         self._by_storage[key] = vid
         self._watched[weakref.ref(storage, self._on_free)] = (key, vid)
@@ -192,9 +200,9 @@ class StepTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 or t.is_conj() or t.is_neg():
             return t
         with torch._C._DisableTorchDispatch():
-            storage = torch.empty((self.values[vid].nbytes,), dtype=torch.uint8,
-                                  device="meta").untyped_storage()
-            elem = torch.empty((0,), dtype=t.dtype, device="meta")
+            storage = torch.UntypedStorage(  # type: ignore[no-untyped-call]
+                self.values[vid].nbytes, device=_META)
+            elem = torch.empty((0,), dtype=t.dtype, device=_META)
             elem.set_(storage, t.storage_offset(), t.shape, t.stride())
         proxy = fake_tensor(self.fake, elem, t.fake_device)
         pkey = storage._cdata
@@ -247,24 +255,25 @@ class StepTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
             # The device query C++ makes of every fake tensor, answered as FakeTensorMode's
             # own handler answers it, without the trip through it.
             fake = args[0].fake_mode
-            return torch.device("meta") if fake.in_kernel_invocation else args[0].fake_device
+            return _META if fake.in_kernel_invocation else args[0].fake_device
         kwargs = kwargs or {}
-        info = self._info.get(func)
-        if info is None:
-            info = self._info[func] = op_info(func)
+        # Keyed by id: an OpOverload hashes in Python. Overloads live as long as torch.
+        known = self._info.get(id(func))
+        if known is None or known[0] is not func:
+            known = self._info[id(func)] = (func, op_info(func))
+        info = known[1]
         if self._paused or not info.counted:
             # prim.device & co. are metadata queries of tensor subclasses, not computation;
             # autograd dispatches detach for saved outputs only when no saved-tensor hooks are
             # set (the runtime sets them), and detach allocates nothing.
             return self._run(func, args, kwargs)
-        if self.record and self._pending:
+        if self._pending:
             self._hook_pending_nodes()
-        in_tensors = tensors_of(args, kwargs)
         self.event += 1
         # Inputs we never saw existed before the step: count them, as "external".
         by_storage = self._by_storage
         inputs: list[int] = []
-        for t in in_tensors:
+        for t in tensors_of(args, kwargs):
             vid = by_storage.get(t.untyped_storage()._cdata)
             inputs.append(self._register_unseen(t) if vid is None else vid)
         if self.oracle is None:
@@ -272,15 +281,15 @@ class StepTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
         else:
             out = self.oracle.call(func, args, kwargs, self._run)
         out_tensors: list[torch.Tensor] = [out] if type(out) is FakeTensor else tensors_of(out)
-        forward = self.phase == "forward"
-        if forward:
+        if self.phase == "forward":
             kind, producer = g.ACTIVATION, len(self.ops)
         else:
             kind, producer = g.BACKWARD, -1
         made: list[int] = []
         for t in out_tensors:
-            if t.untyped_storage()._cdata not in by_storage:
-                made.append(self.register(t, kind, producer))
+            storage = t.untyped_storage()
+            if storage._cdata not in by_storage:
+                made.append(self._add(t, storage, kind, producer))
         self._note_peak()
         if self.record:
             self._record(info, args, inputs, made, out_tensors, out)
@@ -346,8 +355,8 @@ class StepTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
             names = self._saved_names[type(node)] = tuple(
                 a for a in dir(node) if a.startswith("_saved_")
             )
-        saved = self.ops[index].saved
         op = self.ops[index]
+        saved = op.saved
         if type(node).__name__ == "CopySlices" and op.target not in _SAVE_NOTHING:
             # An in-place op on a view: its own node is inside CopySlices, which shows none of
             # its saves (relu_ and leaky_relu_ save their result, masked_fill_ its mask): count
@@ -358,23 +367,37 @@ class StepTracer(TorchDispatchMode):  # type: ignore[no-untyped-call]
             # A custom autograd.Function (HF Bloom's GeLUFunction): its node shows no
             # ``_saved_*``; what ``ctx.save_for_backward`` took is ``saved_tensors``.
             names = ("saved_tensors",)
-        with self.paused():
-            for name in names:
-                try:
-                    val = getattr(node, name)
-                except RuntimeError:  # e.g. an optional tensor that was not saved
+        for name in names:
+            for t in self._saved_tensors(node, name):
+                vid = self._lookup(t)
+                if vid is None:
+                    # A tensor no op made: a Python scalar autograd wrapped (x / 2.0).
+                    vid = self.register(t, g.EXTERNAL)
+                if self.values[vid].kind in (g.PARAMETER, g.BUFFER):
                     continue
-                for t in val if isinstance(val, (tuple, list)) else (val,):
-                    if not isinstance(t, torch.Tensor):
-                        continue
-                    vid = self._lookup(t)
-                    if vid is None:
-                        # A tensor no op made: a Python scalar autograd wrapped (x / 2.0).
-                        vid = self.register(t, g.EXTERNAL)
-                    if self.values[vid].kind in (g.PARAMETER, g.BUFFER):
-                        continue
-                    if vid not in saved:
-                        saved.append(vid)
+                if vid not in saved:
+                    saved.append(vid)
+
+    def _saved_tensors(self, node: Any, name: str) -> list[torch.Tensor]:
+        """The tensors ``node`` saved under ``name``, as stored: what ``pack`` returned (which
+        shares the saved tensor's storage), read off ``_raw`` + ``name`` without unpacking
+        (an unpack makes a new tensor, through the mode). Saves packed by other hooks (the
+        user's own) are unpacked, paused: their unpack hook may run ops."""
+        raw = getattr(node, "_raw" + name, None)
+        if raw is not None:
+            stored = [r.data for r in raw] if isinstance(raw, (list, tuple)) else [raw.data]
+            if all(d is None or isinstance(d, torch.Tensor) for d in stored):
+                return [d for d in stored if d is not None]
+        try:
+            if raw is None and name != "saved_tensors":  # sizes, scalars: nothing to unpack
+                val = getattr(node, name)
+            else:
+                with self.paused():
+                    val = getattr(node, name)
+        except RuntimeError:  # e.g. an optional tensor that was not saved
+            return []
+        return [t for t in (val if isinstance(val, (tuple, list)) else (val,))
+                if isinstance(t, torch.Tensor)]
 
     def _hook_pending_nodes(self) -> None:
         """Map recent forward ops to their autograd nodes. An op's node is attached to its
