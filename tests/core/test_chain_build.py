@@ -54,7 +54,7 @@ def reference_resident(graph: g.Graph) -> tuple[set[int], list[set[int]], dict[i
 def reference_cut_sets(graph: g.Graph, cut_idx: list[int]) -> tuple[list[set[int]], list[int]]:
     """Per chosen cut: the values only held there (not read after it; a saved one only where
     it is held across no other chosen cut), and the bytes of the resident values dying in the
-    forward that are read across it and no other chosen cut."""
+    forward that are read across it (a region starting there keeps them on its tape)."""
     _, cut_live, leaves = reference_resident(graph)
     n_ops = len(graph.ops)
     held = [cut_live[i] - set(graph.cut_points[i].live) for i in cut_idx]
@@ -62,8 +62,7 @@ def reference_cut_sets(graph: g.Graph, cut_idx: list[int]) -> tuple[list[set[int
              or graph.values[v].death >= n_ops}
     held = [{v for v in h if v not in saved or sum(v in o for o in held) == 1} for h in held]
     reads = [set(graph.cut_points[i].live) & set(leaves) for i in cut_idx]
-    res = [sum(graph.values[v].nbytes for v in r if sum(v in o for o in reads) == 1)
-           for r in reads]
+    res = [sum(graph.values[v].nbytes for v in r) for r in reads]
     return held, res
 
 

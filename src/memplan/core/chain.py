@@ -250,8 +250,10 @@ def _resident(graph: g.Graph, death: I64
     decides when they die). They are counted like parameters from their creation (until they
     die in the forward, for those never saved) and never decide where a boundary may go: no
     plan shortens their lives by much (a region could drop a saved one it makes: counting it
-    is conservative). Other values held past their last read are live across the cuts they
-    are held across (a region ending there keeps them)."""
+    is conservative). A region's tape lengthens the lives of those dying in the forward: the
+    checkpoints of the chosen cuts they are read across count them (``_cut_sets``). Other
+    values held past their last read are live across the cuts they are held across (a region
+    ending there keeps them)."""
     values, ops, cuts = graph.values, graph.ops, graph.cut_points
     n_ops, nv = len(ops), len(values)
     held = held_past_cuts(values, ops, [c.after for c in cuts])
@@ -380,9 +382,12 @@ def _cut_sets(ga: GraphArrays, cut_idx: I64, k: int) -> tuple[I64, I64, I64]:
     its checkpoint (read across it: a scope starting there keeps them on its tape, see
     ``evaluate``), the values only held there (the user's code refers to them past their last
     read; they die in the forward, so no tape keeps them), and the bytes of the resident
-    values read across it and no other chosen cut that die in the forward (an LSTM's hidden
-    state: a tape keeps them until its backward, like any input). A saved value held across
-    two or more chosen cuts counts in their checkpoints, as before (conservative)."""
+    values read across it that die in the forward (an LSTM's hidden state, a GNN layer's
+    input read by two ops of the next layers: a tape reading one keeps it until its backward,
+    like any input). Read across several chosen cuts, such a value counts in each of their
+    checkpoints: a region starting at any of them may keep it, and regions at two of them
+    count it twice (conservative: the evaluator's tapes share one copy). A saved value held
+    across two or more chosen cuts counts in their checkpoints, as before (conservative)."""
     nv = len(ga.nbytes)
     position = np.full(len(ga.cut_after), -1, dtype=np.int64)
     position[cut_idx] = np.arange(k)
@@ -395,9 +400,8 @@ def _cut_sets(ga: GraphArrays, cut_idx: I64, k: int) -> tuple[I64, I64, I64]:
     held = held[~saved | (np.bincount(h_vid, minlength=nv)[h_vid] == 1)]
     pairs = both[~np.isin(both, held)]
     on = position[ga.res_of] >= 0
-    r_of, r_vid = position[ga.res_of[on]], ga.res_vid[on]
-    once = np.bincount(r_vid, minlength=nv)[r_vid] == 1
-    res = _exact_sum(r_of, ga.nbytes[r_vid], once, k)
+    res = _exact_sum(position[ga.res_of[on]], ga.nbytes[ga.res_vid[on]],
+                     np.ones(int(on.sum()), dtype=np.bool_), k)
     return pairs, held, res
 
 
