@@ -34,12 +34,10 @@ KNOWN: dict[tuple[str, str], str] = {
     ("hf-convnext", "optimal"): "planner: budget below the floor",
     ("pyg-gcn", "optimal"): "planner: budget below the floor",
     ("pyg-gat", "optimal"): "planner: no plan under budget",
-    ("pyg-gin", "optimal"): "planner: no plan under budget",
     ("torch-lstm", "optimal"): "planner: no plan under budget",
     ("hf-convnext", "ilp"): "planner: budget below the floor",
     ("pyg-gcn", "ilp"): "planner: budget below the floor",
     ("pyg-gat", "ilp"): "planner: no plan under budget",
-    ("pyg-gin", "ilp"): "planner: no plan under budget",
     ("torch-lstm", "ilp"): "planner: no plan under budget",
 }
 
