@@ -15,7 +15,9 @@ The runtime (``memplan.runtime.replay``), as modelled here:
   as a copy, held by every tape that read it before the write) until its last handle is
   released; a drop-cheap tape keeps its expensive ops' outputs until it replays.
 * When backward first unpacks a handle (``Op.unpack_event``), its scope replays (a nested
-  one after its parents): each replayed op makes new storages; one lives while a handle of
+  one after its parents) up to the last op that makes or writes a storage it gives back (a
+  handle's, a nested scope's input): the rest of the scope is not run again, as torch's
+  non-reentrant checkpoint stops early. Each replayed op makes new storages; one lives while a handle of
   it, a nested scope that takes it as input, or a later replayed op needs it, and an unneeded
   output until the next replayed op has run (the replay loop's own reference). An outside
   tensor a replayed op writes, or reads after a later write changed it, is copied for the op,

@@ -1,6 +1,7 @@
 """Replay in backward: when autograd first unpacks a handle of a recompute scope, the scope's
 tape is run again from its kept inputs (Alg. 2's mirror nodes), with the RNG state it started
-with: aten ops as recorded, units by calling their module again. Every live handle gets its
+with: aten ops as recorded, units by calling their module again, up to where it has all it
+gives back (early stop, ``_entries_to_run``). Every live handle gets its
 value, every nested scope its inputs. Never with a changed tensor: an outside tensor is used
 at the version the scope read it, or its copy from before a recorded write, or the replay
 raises a ReplayError naming it."""
