@@ -164,8 +164,11 @@ def _entries_to_run(tape: Tape, first: int, last: int, want: dict[Pos, None],
     for p in want:
         e = p[0]
         while e > end:  # a chain of views after the last storage made (see _base)
+            entry = tape.entries[e]
+            if drop and entry.expensive:
+                break  # its output is held
             views.add(e)
-            leaf = tape.entries[e].leaves[0]
+            leaf = entry.leaves[0]
             if not isinstance(leaf, Ref):
                 break
             e = leaf.pos[0]
