@@ -6,8 +6,8 @@ segments of steps in regions vs the same segments in ``checkpoint``, as
 ``checkpoint_sequential`` splits them). Both sides recompute the same ops and keep the same
 boundaries; their peaks are measured and printed beside the times. Times: process CPU time
 (and wall) of whole training steps, runs interleaved round-robin, medians, 1 thread. A fourth
-column runs torch's checkpoint with early stop off: recomputing what memplan's plan
-recomputes.
+column runs torch's checkpoint with early stop off, replaying whole units (memplan's replays
+stop early, as torch's do by default).
 
     .venv/bin/python benchmarks/executor_overhead.py [--device cpu|cuda] [--repeat 15]
         [--only gpt|lstm] [--out DIR]
@@ -105,7 +105,7 @@ def lstm_case(steps: int) -> tuple[str, Workload, Workload, list[int], list[bool
 class NoEarlyStop(nn.Module):
     """torch's checkpoint recomputing whole units: non-reentrant checkpoint stops a
     recomputation once the last tensor backward needs is saved (early stop, on by default),
-    skipping e.g. a block's last matmul; memplan replays what the plan recomputes (Alg. 2)."""
+    skipping e.g. a block's last matmul, and so does memplan's replay."""
 
     def __init__(self, inner: nn.Module) -> None:
         super().__init__()

@@ -91,16 +91,37 @@ def test_a_call_holding_a_dead_value_at_the_region_peak_goes_to_the_tape() -> No
     freed by Python at A's end; call B (ops 3-5) likewise. Values saved for backward pile up
     (10 bytes per op), so the region peaks at its end, inside B: B's dead value would add to
     the peak, A's comes earlier, below it."""
+    saves = [(i + 1, 2 + i, False) for i in range(6)]  # each op's output, after it ran
     values = U.Values(made=[0, 3] + list(range(6)), read=[0, 3] + list(range(6)),
-                      freed=[3, 6] + [-1] * 6, nbytes=[100, 100] + [10] * 6)
+                      freed=[3, 6] + [-1] * 6, nbytes=[100, 100] + [10] * 6, saves=saves)
     a, b = U.Call("a", 1, 0, 3, True), U.Call("b", 1, 3, 6, True)
     b_inner = U.Call("b.inner", 1, 4, 6, True)
     units = U.choose([(0, 5)], [a, b, b_inner], values)
     assert units == {"a": frozenset({1}), "b.inner": frozenset({1})}
     # The same calls freeing their values right after the last read: all outermost.
-    lean = U.Values(values.made, values.read, [1, 4] + [-1] * 6, values.nbytes)
+    lean = U.Values(values.made, values.read, [1, 4] + [-1] * 6, values.nbytes, saves)
     assert U.choose([(0, 5)], [a, b, b_inner], lean) == {"a": frozenset({1}),
                                                          "b": frozenset({1})}
     # An unsafe call (it writes a tensor from outside it) is never a unit.
     unsafe = U.Call("a", 1, 0, 3, False)
     assert "a" not in U.choose([(0, 5)], [unsafe, b], lean)
+
+
+def test_a_replay_stops_at_the_last_save() -> None:
+    """Ops 0..5 in one call: ops 0-3 make 10-byte values op 4 saves as inputs (before it runs,
+    op count 4); ops 4 and 5 make 1000-byte values nothing saves. The op tape stops after op
+    3, and so does the call, at its last save: the 1000 bytes are never made again, and the
+    call fits. Saved by an op after the call (after it ended), its output is needed: the
+    call and the tape replay whole."""
+    saves = [(4, v, False) for v in range(4)]
+    values = U.Values(made=list(range(6)), read=[4, 4, 4, 4, 5, 6], freed=[-1] * 4 + [6, -1],
+                      nbytes=[10] * 4 + [1000, 1000], saves=saves)
+    call = U.Call("block", 1, 0, 6, True)
+    assert U._tape_end(0, 6, values) == 4
+    assert U._replay_end(0, 6, [call], values) == (4, [U.Call("block", 1, 0, 4, True)])
+    assert U.choose([(0, 6)], [call], values) == {"block": frozenset({1})}
+    # Op 6 (outside the call, inside the region) saves the call's output (value 5).
+    out_saved = U.Values(values.made, values.read, values.freed, values.nbytes,
+                         [*saves, (6, 5, True)])
+    assert U._tape_end(0, 6, out_saved) == 6
+    assert U._replay_end(0, 6, [call], out_saved) == (6, [call])

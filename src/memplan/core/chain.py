@@ -69,6 +69,11 @@ class Chain:
     # returns): not a checkpoint's (a region's tape does not keep them), but a region ending
     # at the cut leaves them to the next stage's forward. None: zeros.
     xh: I64 | None = None
+    # Forward FLOPs a top-level region ending at the stage does not replay: the runtime stops
+    # a replay once it has made every value the region saves (as torch's checkpoint does),
+    # after the last op up to the stage's end making a value an op up to it saves (or
+    # writing one in place). None: replays run whole.
+    fstop: I64 | None = None
 
     @property
     def n(self) -> int:
@@ -306,6 +311,7 @@ def build_chain(graph: g.Graph, cuts: list[int] | None = None) -> Chain:
     x, xbar, d, xsac, xsac_b, held, xh, res = _stage_bytes(graph, ga, st, cut_idx)
     f, b, fcheap, cheap = _stage_flops(ga, st)
     tf, tf0, tfr, tfr0, tfs = _forward_transients(ga, st, held, res)
+    fstop = _stop_flops(graph, ga, st)
     tb, gb = _backward_transients(ga, st, xbar, d)
     # Stages wholly after the model's forward (the loss) run outside the model, where the
     # runtime cannot recompute: make recomputing them cost more than any plain step.
@@ -321,7 +327,26 @@ def build_chain(graph: g.Graph, cuts: list[int] | None = None) -> Chain:
         xbar=xbar, d=d, xsac=xsac, xsac_b=xsac_b, fcheap=fcheap, tf=tf, tf0=tf0, tb=tb, gb=gb,
         base_bytes=ga.base_bytes, step_flops=ga.step_flops, cheap_ops=cheap, tfr=tfr,
         tfr0=tfr0, tfs=tfs, kinds=tuple(graph.cut_points[int(i)].kind for i in cut_idx), xh=xh,
+        fstop=fstop,
     )
+
+
+def _stop_flops(graph: g.Graph, ga: GraphArrays, st: _Stages) -> I64:
+    """``Chain.fstop``: the FLOPs of the ops after the last one, up to each stage's end, that
+    makes an activation an op up to there saves or writes one saved in place (a region
+    whose replay would stop before its first op is never replayed: the planner clamps)."""
+    made = np.full(ga.n_ops, -1, dtype=np.int64)
+    op_i, vid = _flat(graph.ops, "saved")
+    mine = ga.activation[vid] & (ga.producer[vid] >= 0)
+    np.maximum.at(made, op_i[mine], ga.producer[vid[mine]])
+    saved_any = np.zeros(len(graph.values), dtype=np.bool_)
+    saved_any[vid] = True
+    op_m, vid_m = _flat(graph.ops, "mutated")
+    writes = ga.activation[vid_m] & saved_any[vid_m]
+    made[op_m[writes]] = op_m[writes]
+    stop = np.maximum.accumulate(made) if ga.n_ops else made
+    cum = np.concatenate(([0], np.cumsum(ga.fwd_flops)))
+    return (cum[st.afters + 1] - cum[stop[st.afters] + 1]).astype(np.int64)
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,9 @@ The runtime (``memplan.runtime.replay``), as modelled here:
   as a copy, held by every tape that read it before the write) until its last handle is
   released; a drop-cheap tape keeps its expensive ops' outputs until it replays.
 * When backward first unpacks a handle (``Op.unpack_event``), its scope replays (a nested
-  one after its parents): each replayed op makes new storages; one lives while a handle of
+  one after its parents) up to the last op that makes or writes a storage it gives back (a
+  handle's, a nested scope's input): the rest of the scope is not run again, as torch's
+  non-reentrant checkpoint stops early. Each replayed op makes new storages; one lives while a handle of
   it, a nested scope that takes it as input, or a later replayed op needs it, and an unneeded
   output until the next replayed op has run (the replay loop's own reference). An outside
   tensor a replayed op writes, or reads after a later write changed it, is copied for the op,
@@ -95,6 +97,18 @@ def idle_scopes(graph: g.Graph, plan: Plan) -> list[tuple[int, int]]:
             if not any(s.handles for s in sc.subtree())]
 
 
+def replay_counts(graph: g.Graph, plan: Plan) -> dict[int, int]:
+    """How many times the runtime's replays run each forward op (absent: never) in one step
+    under ``plan``: the recomputation the plan costs, early stops included."""
+    run = _Run(graph, plan)
+    run._classify_saves()
+    out: dict[int, int] = defaultdict(int)
+    for sc in run.replayed_scopes():
+        for o in run._replayed(sc):
+            out[o] += 1
+    return dict(out)
+
+
 class _Run:
     """One evaluation: scopes, the lifetimes of originals, replays, then a sweep."""
 
@@ -108,6 +122,7 @@ class _Run:
         self._scopes(plan)
         self.expensive = [is_expensive(op.target) for op in graph.ops]
         self._last_writes: dict[int, int] | None = None
+        self._replayed_ops: dict[int, list[int]] = {}  # after _classify_saves only
         self.savers: dict[int, list[int]] = defaultdict(list)
         for op in graph.ops:
             for vid in op.saved:
@@ -216,7 +231,6 @@ class _Run:
     def peak(self) -> Evaluation:
         native = self._classify_saves()
         tape_kept, record_copies = self._tape_reads()
-        alive = {sc.index: any(s.handles for s in sc.subtree()) for sc in self.scopes}
         trigger: dict[int, int] = {}
         for sc in self.scopes:
             unpacks = [self.g.ops[o].unpack_event for s in sc.subtree() for _, o in s.handles
@@ -263,10 +277,15 @@ class _Run:
             readers = [r for r, first in tape_kept.get(vid, ()) if first < o]
             intervals.append((m[o], max(m[tape_death[r.index]] for r in [root, *readers]),
                               self.g.values[vid].nbytes))
-        for sc in self.scopes:
-            if sc.index in trigger and alive[sc.index]:
-                intervals += self._replay(sc, timeline)
+        for sc in self.replayed_scopes():
+            intervals += self._replay(sc, timeline)
         return timeline.sweep(intervals, self.g)
+
+    def replayed_scopes(self) -> list[_Scope]:
+        """The scopes backward replays: those with a handle (theirs or a nested scope's)
+        that backward unpacks (after ``_classify_saves``)."""
+        return [sc for sc in self.scopes if any(
+            self.g.ops[o].unpack_event >= 0 for s in sc.subtree() for _, o in s.handles)]
 
     def _first_reads(self) -> dict[int, int]:
         """The first event reading each value."""
@@ -279,8 +298,37 @@ class _Run:
     # --- replays ------------------------------------------------------------------------------
 
     def _replayed(self, sc: _Scope) -> list[int]:
-        ops = range(sc.lo_op, sc.hi_op + 1)
-        return [o for o in ops if sc.kind == "region" or not self.expensive[o]]
+        """The ops scope ``sc``'s replay runs: like torch's non-reentrant checkpoint, it stops
+        once it has made every storage it gives back (its handles' values, its nested scopes'
+        inputs), or last wrote one in place; a drop-cheap replay skips its expensive ops."""
+        cached = self._replayed_ops.get(sc.index)
+        if cached is not None:
+            return cached
+        ops = [o for o in range(sc.lo_op, sc.hi_op + 1)
+               if sc.kind == "region" or not self.expensive[o]]
+        needed = {vid for vid, _ in sc.handles} | self._stash_values(sc)
+        end = -1
+        for i, o in enumerate(ops):
+            op = self.g.ops[o]
+            if any(v in needed for v in op.outputs) or any(v in needed for v in op.mutated):
+                end = i
+        self._replayed_ops[sc.index] = ops[: end + 1]
+        return ops[: end + 1]
+
+    def _stash_values(self, sc: _Scope) -> set[int]:
+        """Values made in ``sc`` that a nested scope kept alive (one with a handle in its
+        subtree) reads from before it starts (``_stash_holds``)."""
+        out: set[int] = set()
+        for child in sc.children:
+            for d in child.subtree():
+                if not any(s.handles for s in d.subtree()):
+                    continue
+                for o in range(d.lo_op, d.hi_op + 1):
+                    for vid in self.g.ops[o].inputs:
+                        v = self.g.values[vid]
+                        if v.kind == g.ACTIVATION and sc.lo_op <= v.producer < child.lo_op:
+                            out.add(vid)
+        return out
 
     def _replay(self, sc: _Scope, tl: _Timeline) -> list[tuple[int, int, int]]:
         """The storages scope ``sc``'s replay makes (and the copies it makes of written
@@ -393,6 +441,7 @@ class _Timeline:
                 by_event[trigger[sc.index]].append(sc)
         self.moment_of_event = [0] * n_events
         self._replay: dict[int, list[tuple[int, int]]] = {}  # scope -> [(main, pre)] per op
+        self._before: dict[int, int] = {}
         self.labels: list[str] = []
         moment = 0
         for e in range(n_events):
@@ -408,6 +457,7 @@ class _Timeline:
                     slots.append((moment + 1, moment))
                     moment += 2
                 self._replay[sc.index] = slots
+                self._before[sc.index] = moment - 1  # an empty replay ends here
         self.n_moments = moment
 
     def replay_moments(self, scope: int, i: int) -> tuple[int, int]:
@@ -416,7 +466,7 @@ class _Timeline:
 
     def replay_end(self, scope: int) -> int:
         slots = self._replay[scope]
-        return slots[-1][0] if slots else self.n_moments - 1
+        return slots[-1][0] if slots else self._before[scope]
 
     def sweep(self, intervals: list[tuple[int, int, int]], graph: g.Graph) -> Evaluation:
         delta = np.zeros(self.n_moments + 1, dtype=np.int64)
@@ -453,4 +503,4 @@ def _earlier(a: int | None, b: int | None) -> int | None:
     return a if b is None else min(a, b)
 
 
-__all__ = ["Evaluation", "evaluate", "idle_scopes"]
+__all__ = ["Evaluation", "evaluate", "idle_scopes", "replay_counts"]

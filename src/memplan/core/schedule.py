@@ -83,7 +83,10 @@ def _run(c: Chain, items: tuple[Item, ...], pos: int, used: int, droppable: bool
             # (d) as resident, but it was freed in the forward.
             p_body, f_body = _run(c, it.body, 0, used, False, int(c.gb[e] + c.d[e]), True)
             peak = max(peak, used + gfwd + fwd, p_body)
-            flops += int(c.f[s : e + 1].sum()) + f_body
+            f_region = int(c.f[s : e + 1].sum())
+            # A top-level replay stops early (Chain.fstop); nested ones are counted whole.
+            skip = int(c.fstop[e]) if c.fstop is not None and not replay else 0
+            flops += f_region + f_body - min(skip, f_region)
         used, droppable = now, True
     return peak, flops
 

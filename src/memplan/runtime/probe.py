@@ -13,6 +13,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -61,6 +62,7 @@ def _probe(model: nn.Module, inputs: Sequence[Any] | None, specs: Sequence[dict[
     calls: list[tuple[str, int, int, int]] = []
 
     def pre(mod: nn.Module, args: Any) -> None:
+        counter.hooked = True
         path = names.get(id(mod))
         if path is None:
             return
@@ -68,6 +70,7 @@ def _probe(model: nn.Module, inputs: Sequence[Any] | None, specs: Sequence[dict[
         open_calls.append((path, numbers[path], len(counter.targets)))
 
     def post(mod: nn.Module, args: Any, out: Any) -> None:
+        counter.hooked = True
         path = names.get(id(mod))
         if path is None:
             return
@@ -83,7 +86,7 @@ def _probe(model: nn.Module, inputs: Sequence[Any] | None, specs: Sequence[dict[
     # reported by the caller, not logged by torch.
     with no_cyclic_gc(), _quiet_fake_tensor_log():
         out = fake_forward(model, inputs, specs, autocast,
-                           within=[global_module_hooks(pre, post), counter])
+                           within=[global_module_hooks(pre, post), counter, counter.saving()])
         counter.kept = set(counter.live.values())  # saved for backward, or the output
         del out
     return FakeForward(counter.targets, call_ends, _calls(model, calls, counter),
@@ -128,6 +131,8 @@ class _Count(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.values: list[list[int]] = []  # [made, last read, freed (-1: alive), bytes]
         self.live: dict[int, int] = {}  # storage -> value
         self.kept: set[int] = set()  # values alive when the forward returned
+        self.saves: list[tuple[int, int, bool]] = []  # per autograd save (units.Values)
+        self.hooked = False  # a module call began or ended since the last op
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -136,6 +141,7 @@ class _Count(TorchDispatchMode):  # type: ignore[no-untyped-call]
         out = self.oracle.call(func, args, kwargs)
         index = len(self.targets)
         self.targets.append(str(func))
+        self.hooked = False
         for t in tensors((args, kwargs)):
             vid = self.live.get(t.untyped_storage()._cdata)
             if vid is not None:
@@ -156,6 +162,16 @@ class _Count(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 self.values.append([index, index, -1, int(storage.nbytes())])
         return out
 
+    def saving(self) -> contextlib.AbstractContextManager[Any]:
+        """Notes what autograd saves, and when: an op's inputs before it runs, its outputs
+        after (where a replay that stops early stops, ``units._replay_end``)."""
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, _identity)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        vid = self.live.get(t.untyped_storage()._cdata)
+        self.saves.append((len(self.targets), -1 if vid is None else vid, self.hooked))
+        return t
+
     def _died(self, key: int, vid: int) -> None:
         self.values[vid][2] = len(self.targets)
         if self.live.get(key) == vid:
@@ -164,7 +180,11 @@ class _Count(TorchDispatchMode):  # type: ignore[no-untyped-call]
     def lifetimes(self) -> U.Values:
         made, read, freed, nbytes = ([v[i] for v in self.values] for i in range(4))
         return U.Values(made, read, [-1 if i in self.kept else f for i, f in enumerate(freed)],
-                        nbytes)
+                        nbytes, self.saves)
+
+
+def _identity(t: Any) -> Any:
+    return t
 
 
 @contextlib.contextmanager

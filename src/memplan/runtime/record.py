@@ -363,7 +363,7 @@ class StepState:
     def pack(self, t: torch.Tensor) -> Any:
         u = self.unit
         if u is not None:
-            h = Handle(u.scope, (u.entry, u.count), True)
+            h = Handle(u.scope, (u.entry, u.count), (t.shape, t.dtype))
             u.count += 1
             u.scope.handles.append(weakref.ref(h))
             return h

@@ -1,6 +1,7 @@
 """Replay in backward: when autograd first unpacks a handle of a recompute scope, the scope's
 tape is run again from its kept inputs (Alg. 2's mirror nodes), with the RNG state it started
-with: aten ops as recorded, units by calling their module again. Every live handle gets its
+with: aten ops as recorded, units by calling their module again, up to where it has all it
+gives back (early stop, ``_entries_to_run``). Every live handle gets its
 value, every nested scope its inputs. Never with a changed tensor: an outside tensor is used
 at the version the scope read it, or its copy from before a recorded write, or the replay
 raises a ReplayError naming it."""
@@ -25,6 +26,7 @@ from memplan.runtime.tape import (
     Scope,
     Tape,
     UnitEntry,
+    is_view,
     rng_state,
     storage_key,
     tensor_leaves,
@@ -97,13 +99,12 @@ def materialise(scope: Scope) -> None:
     children = [c for c in (r() for r in scope.children) if c is not None]
     for child in children:
         want.update(child.inputs)
-    span = range(scope.first_entry, scope.last_entry + 1)
+    run, stop_unit = _entries_to_run(tape, scope.first_entry, scope.last_entry, want,
+                                     unit_handles, drop)
     last_use: dict[Pos, int] = {}
-    for e in span:
-        entry = tape.entries[e]
-        if not (drop and entry.expensive):
-            for p in entry.refs:
-                last_use[p] = e
+    for e in run:
+        for p in tape.entries[e].refs:
+            last_use[p] = e
     env: dict[Pos, torch.Tensor] = dict(scope.stash or {})
     if drop:
         env.update(tape.held)
@@ -111,19 +112,18 @@ def materialise(scope: Scope) -> None:
     _REPLAYING[0] += 1
     try:
         with _rng(scope.rng_state), _no_autocast():
-            for e in span:
+            for e in run:
                 entry = tape.entries[e]
                 if isinstance(entry, OpEntry):
-                    if drop and entry.expensive:
-                        continue
                     args, kwargs = _rebuild(entry, env, tape)
                     outs = tensors(entry.func(*args, **kwargs))
                     del args, kwargs  # inputs at their last use die now, not in a next unit
                 else:
                     hs = unit_handles.get(e)
-                    outs, saved = _run_unit(entry, env, tape, hs is not None, grad)
+                    outs, saved = _run_unit(entry, env, tape, hs is not None, grad,
+                                            e == stop_unit)
                     for h in hs or ():
-                        h.value = saved[h.pos[1]]
+                        h.value = _checked(entry, h, saved[h.pos[1]])
                     del saved
                 _keep(outs, e, want, kept, last_use, env)
                 del outs  # dead outputs die now, not during the next entry
@@ -141,6 +141,62 @@ def materialise(scope: Scope) -> None:
     scope.stash = None
     if scope.template.kind == "drop-cheap":
         tape.held.clear()  # what autograd still needs, its handles hold
+
+
+def _entries_to_run(tape: Tape, first: int, last: int, want: dict[Pos, None],
+                    unit_handles: dict[int, list[Handle]], drop: bool) -> tuple[list[int], int]:
+    """The entries a replay runs, and the unit (-1: none) that stops at its last save.
+
+    Like torch's non-reentrant checkpoint, a replay stops once it has everything it gives
+    back (``core.evaluate`` models the same stop): it runs the entries up to the last one
+    that makes a storage it needs (a wanted tensor's, a unit's saved tensors), then only the
+    views after it that give wanted tensors (of storages made before, or outside tensors).
+    That last entry, a unit none of whose outputs is needed, stops at its last save, before
+    the rest of its call runs (autograd saves an op's inputs before running it)."""
+    end = -1
+    bases: set[int] = set()
+    for p in want:
+        b = _base(tape, p[0], first, drop)
+        bases.add(b)
+        end = max(end, b)
+    for e in unit_handles:
+        end = max(end, e)
+    views: set[int] = set()
+    for p in want:
+        e = p[0]
+        while e > end:  # a chain of views after the last storage made (see _base)
+            entry = tape.entries[e]
+            if drop and entry.expensive:
+                break  # its output is held
+            views.add(e)
+            leaf = entry.leaves[0]
+            if not isinstance(leaf, Ref):
+                break
+            e = leaf.pos[0]
+    run = [e for e in range(first, end + 1) if not (drop and tape.entries[e].expensive)]
+    run += sorted(views)
+    stop = end if end >= first and isinstance(tape.entries[end], UnitEntry) \
+        and end in unit_handles and end not in bases else -1
+    return run, stop
+
+
+def _base(tape: Tape, e: int, first: int, drop: bool) -> int:
+    """The entry that made the storage of entry ``e``'s output, following views (ops whose
+    outputs all alias their first argument and that write nothing); -1: made before the
+    scope, outside it, or by an expensive op a drop-cheap replay does not run."""
+    while e >= first:
+        entry = tape.entries[e]
+        if not isinstance(entry, OpEntry):
+            return e
+        if drop and entry.expensive:
+            return -1
+        if not is_view(entry.func):
+            return e
+        leaf = entry.leaves[0]
+        if not isinstance(leaf, Ref):
+            return -1
+        e = leaf.pos[0]
+    return -1
 
 
 def _keep(outs: list[torch.Tensor], e: int, want: dict[Pos, None],
@@ -186,11 +242,17 @@ def _rebuild(entry: OpEntry, env: dict[Pos, torch.Tensor], tape: Tape
     return unflatten_args(vals, entry.spec)
 
 
+class _Stop(Exception):
+    """A unit's replay has taken every tensor its forward saved, and none of its outputs is
+    needed: the rest of the call is not run (torch's checkpoint stops the same way)."""
+
+
 def _run_unit(entry: UnitEntry, env: dict[Pos, torch.Tensor], tape: Tape, collect: bool,
-              grad: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+              grad: bool, stop: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Re-run a unit's module call. ``collect``: with grad enabled, taking the tensors
     autograd saves, in order (the handles' values); otherwise under no_grad, for its outputs.
-    Inputs are detached unless ``grad`` (create_graph: the replay's graph must reach them)."""
+    Inputs are detached unless ``grad`` (create_graph: the replay's graph must reach them).
+    ``stop``: the call ends at its last save and gives no outputs."""
     what = f"the call of module '{entry.path}'"
     vals: list[Any] = []
     i = 0
@@ -214,6 +276,8 @@ def _run_unit(entry: UnitEntry, env: dict[Pos, torch.Tensor], tape: Tape, collec
             saved.append(t)
             return t.detach()
         saved.append(t.detach())
+        if stop and len(saved) == entry.n_saved:
+            raise _Stop
         return None
 
     enable = entry.grad_enabled and (collect or grad)
@@ -224,20 +288,39 @@ def _run_unit(entry: UnitEntry, env: dict[Pos, torch.Tensor], tape: Tape, collec
         stack.enter_context(torch.enable_grad() if enable else torch.no_grad())
         if collect:
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(take, _identity))
-        out = entry.module(*args, **kwargs)
+        try:
+            out = entry.module(*args, **kwargs)
+        except _Stop:
+            return [], saved
     outs = tensor_leaves(out)
     if len(outs) != entry.n_outputs or (collect and len(saved) != entry.n_saved):
-        raise ReplayError(
-            f"memplan: recomputing {what} gave {len(outs)} tensors and saved {len(saved)} "
-            f"for backward, where its forward gave {entry.n_outputs} and saved "
-            f"{entry.n_saved}: the module's forward depends on state other than its "
-            "arguments, parameters and buffers (Python state, random numbers not from torch). "
-            "Make its forward deterministic given its inputs, or keep that part (plan with a "
-            "larger budget)."
-        )
+        raise _differs(entry, f"gave {len(outs)} tensors and saved {len(saved)} for "
+                       f"backward, where its forward gave {entry.n_outputs} and saved "
+                       f"{entry.n_saved}")
     if not grad:
         outs = [o.detach() for o in outs]
     return outs, saved
+
+
+def _checked(entry: UnitEntry, h: Handle, value: torch.Tensor) -> torch.Tensor:
+    """A unit's saved tensor, as its forward saved it (shape and dtype)."""
+    if h.meta is not None and (value.shape, value.dtype) != h.meta:
+        raise _differs(entry, f"saved a {_meta(value.shape, value.dtype)} tensor for backward "
+                       f"where its forward saved a {_meta(*h.meta)} one")
+    return value
+
+
+def _differs(entry: UnitEntry, got: str) -> ReplayError:
+    return ReplayError(
+        f"memplan: recomputing the call of module '{entry.path}' {got}: the module's forward "
+        "depends on state other than its arguments, parameters and buffers (Python state, "
+        "random numbers not from torch). Make its forward deterministic given its inputs, or "
+        "keep that part (plan with a larger budget)."
+    )
+
+
+def _meta(shape: torch.Size, dtype: torch.dtype) -> str:
+    return f"{list(shape)} {str(dtype).removeprefix('torch.')}"
 
 
 def _bind(entry: UnitEntry, stack: contextlib.ExitStack, what: str) -> None:

@@ -111,15 +111,21 @@ class UnitEntry:
 
 class Handle:
     """What autograd keeps for a tensor of a recomputed scope: ``pos`` on the tape, or for a
-    unit's saved tensor (entry, k) with ``saved`` set."""
+    unit's saved tensor (entry, k) with ``meta`` (its shape and dtype, which the call's
+    replay must give again)."""
 
-    __slots__ = ("__weakref__", "owner", "pos", "saved", "value")
+    __slots__ = ("__weakref__", "meta", "owner", "pos", "value")
 
-    def __init__(self, owner: Scope, pos: Pos, saved: bool = False) -> None:
+    def __init__(self, owner: Scope, pos: Pos,
+                 meta: tuple[torch.Size, torch.dtype] | None = None) -> None:
         self.owner = owner
         self.pos = pos
-        self.saved = saved
+        self.meta = meta
         self.value: torch.Tensor | None = None
+
+    @property
+    def saved(self) -> bool:
+        return self.meta is not None
 
 
 @dataclass(eq=False)
@@ -322,6 +328,24 @@ def unflatten_args(vals: list[Any], spec: Any) -> tuple[tuple[Any, ...], dict[st
         return tuple(args), dict(zip(keys, vals[i:]))
     a, k = tree_unflatten(vals, spec)
     return tuple(a), dict(k)
+
+
+_VIEWS: dict[Any, bool] = {}
+
+
+def is_view(func: Any) -> bool:
+    """Whether every output of the op aliases its first argument, which it does not write,
+    and it takes no other tensor (a view: it makes no storage)."""
+    view = _VIEWS.get(func)
+    if view is None:
+        schema = func._schema
+        args, returns = schema.arguments, schema.returns
+        first = args[0].alias_info if args else None
+        view = _VIEWS[func] = bool(
+            returns and first is not None and not first.is_write
+            and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
+            and not any("Tensor" in str(a.type) for a in args[1:]))
+    return view
 
 
 # Per op: (argument index, name, write-only BatchNorm statistic) of the arguments it writes,

@@ -12,7 +12,7 @@ calls are given back to the tape, outermost first where the excess is, until it 
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 MAX_ROUNDS = 64  # per region: then only calls that hold nothing past last use
 
@@ -38,6 +38,10 @@ class Values:
     read: list[int]
     freed: list[int]
     nbytes: list[int]
+    # What autograd saved, in order: (op count then, value or -1 for a tensor the forward
+    # did not make, whether a module call began or ended since the last op). An op's inputs
+    # are saved before it runs, its outputs after (``_within``).
+    saves: list[tuple[int, int, bool]] = field(default_factory=list)
 
 
 def choose(regions: list[tuple[int, int]], calls: list[Call], values: Values
@@ -67,11 +71,12 @@ def _outermost(calls: list[Call], allowed: set[int]) -> list[Call]:
 
 
 def _fit(first: int, last: int, calls: list[Call], values: Values) -> list[Call]:
-    ref, _ = _peak(first, last, [], values)
+    ref, _ = _peak(first, _tape_end(first, last, values) - 1, [], values)
     allowed = set(range(len(calls)))
     for _ in range(MAX_ROUNDS):
         units = _outermost(calls, allowed)
-        peak, at = _peak(first, last, units, values)
+        end, run = _replay_end(first, last, units, values)
+        peak, at = _peak(first, end - 1, run, values)
         if peak <= ref:
             return units
         culprit = next((i for i, c in enumerate(calls) if i in allowed
@@ -80,6 +85,62 @@ def _fit(first: int, last: int, calls: list[Call], values: Values) -> list[Call]
             break
         allowed.discard(culprit)
     return []
+
+
+def _within(count: int, hooked: bool, lo: int, hi: int) -> bool:
+    """Whether a save at op count ``count`` was made inside a call (or region) of ops
+    lo..hi-1: at ``lo``, an input of its first op (after the call began); at ``hi``, an output
+    of its last op (before the call ended)."""
+    return lo < count < hi or (count == lo and hooked) or (count == hi and not hooked)
+
+
+def _tape_end(first: int, last: int, values: Values) -> int:
+    """Where the op tape's replay of ops first..last stops (``replay._entries_to_run``): after
+    the last op that made a value an op of the region saves."""
+    end = first
+    for count, v, hooked in values.saves:
+        if v >= 0 and _within(count, hooked, first, last + 1) and first <= values.made[v] <= last:
+            end = max(end, values.made[v] + 1)
+    return end
+
+
+def _replay_end(first: int, last: int, units: list[Call], values: Values
+                ) -> tuple[int, list[Call]]:
+    """Where the replay of ops first..last with these units stops, and the units it runs: up
+    to the last entry that makes what the region saves; that entry, a unit none of whose
+    outputs is saved after it, cut at its last save (``replay._entries_to_run``)."""
+    starts = [u.first_op for u in units]
+
+    def unit_of(count: int, hooked: bool) -> int:
+        k = bisect.bisect_right(starts, count) - 1
+        for j in (k, k - 1):
+            if j >= 0 and _within(count, hooked, units[j].first_op, units[j].end_op):
+                return j
+        return -1
+
+    end = first
+    saving = -1  # the last unit that saves something
+    last_save = [-1] * len(units)
+    outputs_needed = [False] * len(units)
+    for count, v, hooked in values.saves:
+        if not _within(count, hooked, first, last + 1):
+            continue
+        k = unit_of(count, hooked)
+        if k >= 0:
+            saving = max(saving, k)
+            last_save[k] = max(last_save[k], count)
+        if v < 0 or not first <= values.made[v] <= last:
+            continue  # a parameter, or from before the region: saved as it is
+        maker = unit_of(values.made[v], True)
+        if maker < 0:
+            end = max(end, values.made[v] + 1)
+        elif maker != k:
+            outputs_needed[maker] = True
+            end = max(end, units[maker].end_op)
+    if saving >= 0 and units[saving].end_op > end:
+        end = units[saving].end_op if outputs_needed[saving] else max(end, last_save[saving])
+    run = [u if u.end_op <= end else replace(u, end_op=end) for u in units if u.first_op < end]
+    return min(end, last + 1), run
 
 
 def _peak(first: int, last: int, units: list[Call], values: Values) -> tuple[int, int]:
