@@ -10,7 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from memplan.core import graph as g
+from memplan.core.chain import NO_DEATH, _flat, graph_arrays
 
 STANDING = (g.PARAMETER, g.BUFFER, g.INPUT, g.GRADIENT)  # live from birth to death, any plan
 
@@ -26,22 +29,29 @@ class Floor:
 
 def peak_floor(graph: g.Graph) -> Floor:
     """The largest, over the step's ops, of the standing values alive at the op plus the
-    op's own inputs and outputs."""
+    op's own inputs and outputs (vectorised: a 2048-step LSTM has 358k ops)."""
     events = graph.ops + graph.backward_ops
-    standing = [0] * (len(events) + 1)  # a difference array over events
-    for v in graph.values:
-        if v.kind in STANDING:
-            standing[max(v.birth, 0)] += v.nbytes
-            if v.death is not None:
-                standing[v.death + 1] -= v.nbytes
-    best, at, live = -1, 0, 0
-    for e, op in enumerate(events):
-        live += standing[e]
-        own = sum(graph.values[v].nbytes for v in sorted(set(op.inputs) | set(op.outputs))
-                  if graph.values[v].kind not in STANDING)
-        if live + own > best:
-            best, at = live + own, e
-    return Floor(max(best, 0), at, event_label(graph, at))
+    n, nv = len(events), len(graph.values)
+    if n == 0:
+        return Floor(0, 0, "")
+    ga = graph_arrays(graph)  # cached: planning builds it anyway
+    nbytes = ga.nbytes
+    standing = np.fromiter((v.kind in STANDING for v in graph.values), np.bool_, nv)
+    birth = np.maximum(ga.birth, 0)
+    death = np.where(ga.death == NO_DEATH, n, np.minimum(ga.death + 1, n))
+    delta = np.zeros(n + 1, dtype=np.int64)  # standing bytes, a difference array over events
+    np.add.at(delta, birth[standing], nbytes[standing])
+    np.add.at(delta, death[standing], -nbytes[standing])
+    live = np.cumsum(delta[:n])
+    pairs = [_flat(events, attr) for attr in ("inputs", "outputs")]
+    keys = np.sort(np.concatenate([e * nv + v for e, v in pairs]))
+    keys = keys[np.concatenate(([True], keys[1:] != keys[:-1]))]  # each value once per op
+    e, v = keys // nv, keys % nv
+    mine = ~standing[v]
+    own = np.zeros(n, dtype=np.int64)
+    np.add.at(own, e[mine], nbytes[v[mine]])
+    at = int(np.argmax(live + own))
+    return Floor(int(live[at] + own[at]), at, event_label(graph, at))
 
 
 def event_label(graph: g.Graph, event: int) -> str:
