@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from memplan.core import graph as g
 from memplan.core.plan import Plan
 from memplan.core.static import mirror_plans
-from memplan.core.static.training_graph import TrainingGraph, training_graph
+from memplan.core.static.training_graph import Step, TrainingGraph, training_graph
 from memplan.errors import bad_arg
 
 STRATEGIES = ("none", "inplace", "sharing")
@@ -86,68 +86,86 @@ def check_strategy(strategy: str) -> None:
 def allocate(tg: TrainingGraph, strategy: str = "sharing") -> Allocation:
     """Fig. 2: one O(n) sweep in execution order with a reference counter per node."""
     check_strategy(strategy)
-    nbytes = tg.nbytes
-    refs = [0] * len(nbytes)
-    for step in tg.steps:
-        for n in step.inputs:
-            refs[n] += 1
-    for n in tg.keep:
-        refs[n] += 1
-    buffer_of = [-1] * len(nbytes)
-    inplace_from = [-1] * len(nbytes)
-    sizes: list[int] = []
-    pool: list[tuple[int, int]] = []  # free (size, buffer), sorted
-    live = peak = 0
-    peak_step = -1
+    a = _Allocator(tg, strategy)
+    for s, step in enumerate(tg.steps):
+        donors = a.place(step)
+        if a.live > a.peak:
+            a.peak, a.peak_step = a.live, s
+        a.free(step, donors)
+    return Allocation(strategy, tg, tuple(a.buffer_of), tuple(a.sizes), tuple(a.inplace_from),
+                      a.peak, a.peak_step)
 
-    def new_buffer(size: int) -> int:
-        sizes.append(size)
-        return len(sizes) - 1
 
-    def request(size: int) -> int:
+class _Allocator:
+    """The sweep's state: reference counts, buffers, the free pool, live bytes."""
+
+    def __init__(self, tg: TrainingGraph, strategy: str) -> None:
+        self.strategy = strategy
+        self.nbytes = nbytes = tg.nbytes
+        self.refs = [0] * len(nbytes)  # steps still to read each node (+1 if kept)
+        for step in tg.steps:
+            for n in step.inputs:
+                self.refs[n] += 1
+        for n in tg.keep:
+            self.refs[n] += 1
+        self.buffer_of = [-1] * len(nbytes)
+        self.inplace_from = [-1] * len(nbytes)
+        self.sizes: list[int] = []
+        self.pool: list[tuple[int, int]] = []  # free (size, buffer), sorted
+        self.live = self.peak = 0
+        self.peak_step = -1
+
+    def new_buffer(self, size: int) -> int:
+        self.sizes.append(size)
+        return len(self.sizes) - 1
+
+    def request(self, size: int) -> int:
+        pool = self.pool
         i = bisect.bisect_left(pool, (size, -1))
         if i < len(pool) and pool[i][0] <= size * MATCH_RANGE:
             return pool.pop(i)[1]  # the smallest free buffer that fits
         if i > 0 and pool[i - 1][0] * MATCH_RANGE >= size:
             buf = pool.pop(i - 1)[1]  # the largest smaller one, grown
-            sizes[buf] = size
+            self.sizes[buf] = size
             return buf
-        return new_buffer(size)
+        return self.new_buffer(size)
 
-    def release(n: int) -> None:
-        if strategy == "sharing" and buffer_of[n] >= 0:
-            bisect.insort(pool, (sizes[buffer_of[n]], buffer_of[n]))
+    def release(self, n: int) -> None:
+        if self.strategy == "sharing" and self.buffer_of[n] >= 0:
+            bisect.insort(self.pool, (self.sizes[self.buffer_of[n]], self.buffer_of[n]))
 
-    for s, step in enumerate(tg.steps):
+    def place(self, step: Step) -> list[int]:
+        """A buffer for each output of ``step``; returns the inputs it wrote over."""
+        nbytes, refs, buffer_of = self.nbytes, self.refs, self.buffer_of
         donors: list[int] = []
         for out in step.outputs:
             size = nbytes[out]
             if size == 0:
                 continue
-            if strategy != "none" and step.inplace_ok:
+            if self.strategy != "none" and step.inplace_ok:
                 for x in step.inputs:  # Fig. 2: in-place when this step is x's last reader
                     if refs[x] == 1 and nbytes[x] == size and buffer_of[x] >= 0 and x not in donors:
                         donors.append(x)
-                        inplace_from[out] = x
+                        self.inplace_from[out] = x
                         buffer_of[out] = buffer_of[x]
                         break
-            if inplace_from[out] < 0:
-                buffer_of[out] = request(size) if strategy == "sharing" else new_buffer(size)
-                live += size
-        if live > peak:
-            peak, peak_step = live, s
+            if self.inplace_from[out] < 0:
+                buffer_of[out] = (self.request(size) if self.strategy == "sharing"
+                                  else self.new_buffer(size))
+                self.live += size
+        return donors
+
+    def free(self, step: Step, donors: list[int]) -> None:
+        """Count ``step``'s reads; nodes no step will read again give their buffer back."""
         for x in step.inputs:
-            refs[x] -= 1
-            if refs[x] == 0 and x not in donors:
-                live -= nbytes[x]
-                release(x)
+            self.refs[x] -= 1
+            if self.refs[x] == 0 and x not in donors:
+                self.live -= self.nbytes[x]
+                self.release(x)
         for out in step.outputs:
-            if refs[out] == 0:  # made but never read
-                live -= nbytes[out]
-                release(out)
-    return Allocation(
-        strategy, tg, tuple(buffer_of), tuple(sizes), tuple(inplace_from), peak, peak_step
-    )
+            if self.refs[out] == 0:  # made but never read
+                self.live -= self.nbytes[out]
+                self.release(out)
 
 
 def resolve_plan(graph: g.Graph, plan: str | Plan | Sequence[int] | None) -> list[int] | None:

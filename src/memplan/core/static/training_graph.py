@@ -91,69 +91,83 @@ def check_mirror(graph: g.Graph, mirror: Sequence[int] | None) -> tuple[int, ...
 
 def training_graph(graph: g.Graph, mirror: Sequence[int] | None = None) -> TrainingGraph:
     """Alg. 2: the (memory-optimised) gradient graph of ``graph`` and its execution order."""
-    m = check_mirror(graph, mirror)
-    values = graph.values
-    fm = [v.kind in FEATURE_MAP_KINDS for v in values]
-    prod = [v.producer if v.kind == g.ACTIVATION else -1 for v in values]
-    nbytes: list[int] = []
-    value: list[int] = []
-    level: list[int] = []
-    node: dict[tuple[int, int], int] = {}  # (value id, level) -> node id
-
-    def new_node(vid: int, lvl: int) -> int:
-        node[(vid, lvl)] = len(nbytes)
-        nbytes.append(values[vid].nbytes)
-        value.append(vid)
-        level.append(lvl)
-        return node[(vid, lvl)]
-
-    for v in values:  # originals, in value order
-        if fm[v.id]:
-            new_node(v.id, 0)
-
-    def reads(op: g.Op) -> list[int]:
-        return [x for x in dict.fromkeys(op.inputs + op.mutated) if fm[x]]
-
-    def made(op: g.Op) -> list[int]:
-        return [x for x in op.outputs if fm[x]]
-
-    steps: list[Step] = []
+    b = _Builder(graph, check_mirror(graph, mirror))
+    for v in graph.values:  # originals, in value order
+        if b.fm[v.id]:
+            b.new_node(v.id, 0)
     for op in graph.ops:
-        ins = tuple(node[(x, 0)] for x in reads(op))
-        outs = tuple(node[(x, 0)] for x in made(op))
-        steps.append(Step("forward", op.index, 0, ins, outs, is_pointwise(op.target)))
+        b.forward_step(op)
+    for bop in graph.backward_ops:
+        b.backward_step(bop)
+    keep = tuple(b.node[(x, 0)] for x in dict.fromkeys(graph.outputs) if b.fm[x])
+    return TrainingGraph(tuple(b.nbytes), tuple(b.value), tuple(b.level), tuple(b.steps), keep,
+                         b.m)
 
-    def pred_level(x: int, k: int) -> int:
+
+class _Builder:
+    """Nodes and steps of the training graph, in the order Alg. 2 makes them."""
+
+    def __init__(self, graph: g.Graph, m: tuple[int, ...]) -> None:
+        self.graph, self.m = graph, m
+        self.fm = [v.kind in FEATURE_MAP_KINDS for v in graph.values]
+        self.prod = [v.producer if v.kind == g.ACTIVATION else -1 for v in graph.values]
+        self.nbytes: list[int] = []
+        self.value: list[int] = []
+        self.level: list[int] = []
+        self.node: dict[tuple[int, int], int] = {}  # (value id, level) -> node id
+        self.steps: list[Step] = []
+        self.done: set[tuple[int, int]] = set()  # mirror (op, k) already in the order
+
+    def new_node(self, vid: int, lvl: int) -> int:
+        self.node[(vid, lvl)] = len(self.nbytes)
+        self.nbytes.append(self.graph.values[vid].nbytes)
+        self.value.append(vid)
+        self.level.append(lvl)
+        return self.node[(vid, lvl)]
+
+    def reads(self, op: g.Op) -> list[int]:
+        return [x for x in dict.fromkeys(op.inputs + op.mutated) if self.fm[x]]
+
+    def made(self, op: g.Op) -> list[int]:
+        return [x for x in op.outputs if self.fm[x]]
+
+    def forward_step(self, op: g.Op) -> None:
+        ins = tuple(self.node[(x, 0)] for x in self.reads(op))
+        outs = tuple(self.node[(x, 0)] for x in self.made(op))
+        self.steps.append(Step("forward", op.index, 0, ins, outs, is_pointwise(op.target)))
+
+    def pred_level(self, x: int, k: int) -> int:
         # Alg. 2: copy k of v reads a[u] as it stands in round k, i.e. copy min(m(u), k) of u.
-        return min(m[prod[x]], k) if prod[x] >= 0 else 0
+        return min(self.m[self.prod[x]], k) if self.prod[x] >= 0 else 0
 
-    done: set[tuple[int, int]] = set()  # mirror (op, k) already in the order
-
-    def emit_ancestors(needed: list[tuple[int, int]]) -> None:
-        todo = [mk for mk in needed if mk not in done]
+    def emit_ancestors(self, needed: list[tuple[int, int]]) -> None:
+        """The mirror steps (op, copy k) in ``needed`` and the mirrors they read, not yet in
+        the order, producers first."""
+        prod = self.prod
+        todo = [mk for mk in needed if mk not in self.done]
         found: dict[tuple[int, int], None] = {}
         while todo:
             i, k = todo.pop()
             if (i, k) in found:
                 continue
             found[(i, k)] = None
-            for x in reads(graph.ops[i]):
-                lvl = pred_level(x, k)
-                if lvl > 0 and (prod[x], lvl) not in done:
+            for x in self.reads(self.graph.ops[i]):
+                lvl = self.pred_level(x, k)
+                if lvl > 0 and (prod[x], lvl) not in self.done:
                     todo.append((prod[x], lvl))
         for i, k in sorted(found):  # producers precede consumers: a topological order
-            op = graph.ops[i]
-            ins = tuple(node[(x, pred_level(x, k))] for x in reads(op))
-            outs = tuple(new_node(x, k) for x in made(op))
-            steps.append(Step("mirror", i, k, ins, outs, is_pointwise(op.target)))
-            done.add((i, k))
+            op = self.graph.ops[i]
+            ins = tuple(self.node[(x, self.pred_level(x, k))] for x in self.reads(op))
+            outs = tuple(self.new_node(x, k) for x in self.made(op))
+            self.steps.append(Step("mirror", i, k, ins, outs, is_pointwise(op.target)))
+            self.done.add((i, k))
 
-    for bop in graph.backward_ops:
-        xs = reads(bop)
-        emit_ancestors([(prod[x], m[prod[x]]) for x in xs if prod[x] >= 0 and m[prod[x]] > 0])
-        ins = tuple(node[(x, m[prod[x]] if prod[x] >= 0 else 0)] for x in xs)
-        outs = tuple(node[(x, 0)] for x in made(bop))
-        steps.append(Step("backward", bop.index, 0, ins, outs, is_pointwise(bop.target)))
-
-    keep = tuple(node[(x, 0)] for x in dict.fromkeys(graph.outputs) if fm[x])
-    return TrainingGraph(tuple(nbytes), tuple(value), tuple(level), tuple(steps), keep, m)
+    def backward_step(self, bop: g.Op) -> None:
+        """A backward step after the mirrors it needs: it reads the last copy a[v]."""
+        m, prod = self.m, self.prod
+        xs = self.reads(bop)
+        self.emit_ancestors([(prod[x], m[prod[x]]) for x in xs
+                             if prod[x] >= 0 and m[prod[x]] > 0])
+        ins = tuple(self.node[(x, m[prod[x]] if prod[x] >= 0 else 0)] for x in xs)
+        outs = tuple(self.node[(x, 0)] for x in self.made(bop))
+        self.steps.append(Step("backward", bop.index, 0, ins, outs, is_pointwise(bop.target)))
