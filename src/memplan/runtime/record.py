@@ -34,7 +34,6 @@ holds leads back to the graph's nodes.
 from __future__ import annotations
 
 import contextlib
-import enum
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -42,41 +41,20 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from memplan.core.ops import is_expensive
+from memplan.runtime.entries import record_op, record_unit, unit_arguments
 from memplan.runtime.layout import Layout, Template
 from memplan.runtime.replay import unpack
 from memplan.runtime.tape import (
-    READ,
-    SNAPSHOT,
-    Ext,
     Handle,
     Namer,
-    OpEntry,
-    Pos,
-    Ref,
     Scope,
     Tape,
     UnitEntry,
     UnitInfo,
-    autocast_state,
-    flatten_args,
-    flatten_tree,
     rng_state,
-    storage_key,
     tensor_leaves,
-    tensors,
-    written_tensors,
 )
 from memplan.tracing.opinfo import is_counted
-
-_EXPENSIVE: dict[Any, bool] = {}
-# Arguments a unit may take: a call re-run in replay must compute what it computed, so it gets
-# only values it cannot change (tensors are checked by version). Any other object (HF's
-# DynamicCache appends the keys on every call) keeps the call on the op tape, whose replay
-# touches no Python state.
-PLAIN = (torch.Tensor, int, float, complex, bool, str, bytes, type(None), torch.dtype,
-         torch.device, torch.layout, torch.memory_format, torch.Size, slice, type(Ellipsis),
-         enum.Enum)
 
 
 class _Unit:
@@ -223,35 +201,11 @@ class StepState:
         t = self.template
         if t is None or t.kind != "region" or n not in self.layout.units.get(path, ()):
             return
-        flat, spec = flatten_tree((args, kwargs))
-        if not all(isinstance(leaf, PLAIN) for leaf in flat):
+        got = unit_arguments(args, kwargs)
+        if got is None:
             return  # given an object the call may change (a KV cache): its ops go on the tape
         scope = self.scope_for(t)
-        tape = scope.tape
-        e = len(tape.entries)
-        entry = UnitEntry(module, path, self.infos(path, module))
-        entry.spec = spec
-        refs: list[Pos] = []
-        for leaf in flat:
-            if not isinstance(leaf, torch.Tensor):
-                entry.leaves.append(leaf)
-                continue
-            entry.grads.append(leaf.requires_grad)
-            pos = tape.lookup(leaf)
-            if pos is not None:
-                entry.leaves.append(Ref(pos))
-                refs.append(pos)
-                _note_input(scope, pos)
-            else:
-                entry.leaves.append(Ext(leaf, leaf._version, READ))
-                tape.note_outside(leaf)
-        entry.refs = tuple(refs)
-        entry.grad_enabled = torch.is_grad_enabled()
-        entry.autocast = autocast_state()
-        entry.bound = [s.holder[s.key] for s in entry.info.slots]
-        entry.versions = [-1 if b is None else b._version for b in entry.bound]
-        tape.entries.append(entry)
-        _extend(scope, e)
+        e = record_unit(scope, module, path, self.infos(path, module), *got)
         self.recorded_ops += 1
         self.units_run += 1
         self.unit = _Unit(scope, e, path)
@@ -285,7 +239,7 @@ class StepState:
             out = func(*args, **kwargs)
         else:
             self.recorded_ops += 1
-            out = self._record(self.scope_for(t), func, args, kwargs)
+            out = record_op(self.scope_for(t), self.tapes, self.snaps, func, args, kwargs)
         if self.ops_left is not None and is_counted(func):
             self.ops_left -= 1
             if self.ops_left == 0:
@@ -307,56 +261,6 @@ class StepState:
             self.resync = t is not None
         elif before is None and t is not None:
             self.resync = True
-
-    def _record(self, scope: Scope, func: Any, args: tuple[Any, ...],
-                kwargs: dict[str, Any]) -> Any:
-        tape = scope.tape
-        e = len(tape.entries)
-        writes = written_tensors(func, args, kwargs)
-        written = {id(t): mode for t, mode in writes}
-        if writes:
-            for other in self.tapes:  # this tape and earlier ones that read what it writes
-                if other.outside:
-                    other.keep_before_write([t for t, _ in writes], self.snaps)
-        flat, spec = flatten_args(args, kwargs)
-        leaves: list[Any] = []
-        refs: list[Pos] = []
-        for leaf in flat:
-            if not isinstance(leaf, torch.Tensor):
-                leaves.append(leaf)
-                continue
-            pos = tape.lookup(leaf)
-            if pos is not None:
-                leaves.append(Ref(pos))
-                refs.append(pos)
-                _note_input(scope, pos)
-                continue
-            mode = written.get(id(leaf), READ)
-            if mode == SNAPSHOT:
-                # An outside tensor written in place: replay reads its value from before,
-                # and so does every earlier read of it at that version.
-                key = (storage_key(leaf), leaf._version)
-                snap = self.snaps.get(key)
-                if snap is None:
-                    snap = self.snaps[key] = leaf.detach().clone()
-                tape.snaps[key] = snap
-                leaves.append(Ext(snap, -1, SNAPSHOT))
-            else:
-                leaves.append(Ext(leaf, leaf._version, mode))
-                if mode == READ:
-                    tape.note_outside(leaf)
-        out = func(*args, **kwargs)
-        expensive = _EXPENSIVE.get(func)
-        if expensive is None:
-            expensive = _EXPENSIVE[func] = is_expensive(str(func))
-        held = expensive and scope.template.kind == "drop-cheap"
-        for k, o in enumerate(tensors(out)):
-            tape.register(o, (e, k))
-            if held:
-                tape.held[(e, k)] = o.detach()
-        tape.entries.append(OpEntry(func, spec, leaves, tuple(refs), expensive))
-        _extend(scope, e)
-        return out
 
     # the autograd side
 
@@ -388,22 +292,6 @@ def _root(t: Template) -> Template:
     while t.parent is not None:
         t = t.parent
     return t
-
-
-def _extend(scope: Scope, e: int) -> None:
-    s: Scope | None = scope
-    while s is not None:
-        s.last_entry = e
-        s = s.parent
-
-
-def _note_input(scope: Scope, pos: Pos) -> None:
-    """A nested scope reading a tape value made before it gets that value from its parent's
-    replay (and so do its ancestors up to the one that made it)."""
-    s: Scope | None = scope
-    while s is not None and s.parent is not None and pos[0] < s.first_entry:
-        s.inputs[pos] = None
-        s = s.parent
 
 
 class PlanMode(TorchDispatchMode):  # type: ignore[no-untyped-call]

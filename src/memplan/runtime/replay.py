@@ -85,20 +85,44 @@ def materialise(scope: Scope) -> None:
         materialise(scope.parent)
         if scope.stash is None:
             raise ReplayError("memplan: internal error: nested scope has no inputs")
+    wants = _Wants(scope)
+    kept = _replay(scope, wants)
+    for h in wants.handles:
+        if not h.saved:
+            h.value = kept[h.pos]
+    for child in wants.children:
+        child.stash = {p: kept[p] for p in child.inputs}
+    scope.done = True
+    scope.stash = None
+    if scope.template.kind == "drop-cheap":
+        scope.tape.held.clear()  # what autograd still needs, its handles hold
+
+
+class _Wants:
+    """What a scope's replay gives back: the live handles (values on the tape, and per unit
+    entry the handles of its saved tensors) and the nested scopes' inputs."""
+
+    def __init__(self, scope: Scope) -> None:
+        self.handles = [h for h in (r() for r in scope.handles) if h is not None]
+        self.values: dict[Pos, None] = {}
+        self.unit_handles: dict[int, list[Handle]] = {}
+        for h in self.handles:
+            if h.saved:
+                self.unit_handles.setdefault(h.pos[0], []).append(h)
+            else:
+                self.values[h.pos] = None
+        self.children = [c for c in (r() for r in scope.children) if c is not None]
+        for child in self.children:
+            self.values.update(child.inputs)
+
+
+def _replay(scope: Scope, wants: _Wants) -> dict[Pos, torch.Tensor]:
+    """Run the scope's entries up to its early stop; the wanted values. Units' saved tensors
+    go to their handles as each unit runs; every value dies after its last use."""
     tape = scope.tape
     grad = torch.is_grad_enabled()
     drop = scope.template.kind == "drop-cheap" and not grad
-    handles = [h for h in (r() for r in scope.handles) if h is not None]
-    want: dict[Pos, None] = {}
-    unit_handles: dict[int, list[Handle]] = {}
-    for h in handles:
-        if h.saved:
-            unit_handles.setdefault(h.pos[0], []).append(h)
-        else:
-            want[h.pos] = None
-    children = [c for c in (r() for r in scope.children) if c is not None]
-    for child in children:
-        want.update(child.inputs)
+    want, unit_handles = wants.values, wants.unit_handles
     run, stop_unit = _entries_to_run(tape, scope.first_entry, scope.last_entry, want,
                                      unit_handles, drop)
     last_use: dict[Pos, int] = {}
@@ -132,15 +156,7 @@ def materialise(scope: Scope) -> None:
                         env.pop(p, None)
     finally:
         _REPLAYING[0] -= 1
-    for h in handles:
-        if not h.saved:
-            h.value = kept[h.pos]
-    for child in children:
-        child.stash = {p: kept[p] for p in child.inputs}
-    scope.done = True
-    scope.stash = None
-    if scope.template.kind == "drop-cheap":
-        tape.held.clear()  # what autograd still needs, its handles hold
+    return kept
 
 
 def _entries_to_run(tape: Tape, first: int, last: int, want: dict[Pos, None],
