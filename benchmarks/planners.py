@@ -22,6 +22,7 @@ from typing import Any
 
 import memplan
 from memplan.core import chain as C
+from memplan.core import graph_arrays
 from memplan.core import schedule as S
 from memplan.core.evaluate import evaluate
 from memplan.core.graph import SCHEMA_VERSION, Graph
@@ -123,7 +124,7 @@ def planning_times(graphs: str, repeat: int) -> list[dict[str, Any]]:
         for what, budget in ((f"@ {mid / GB:.3f} GB", mid), ("least peak", None)):
             build, wall, cpu = [], [], []
             for _ in range(repeat):
-                C._ARRAYS.clear()  # nothing cached: every run starts from the bare Graph
+                graph_arrays._ARRAYS.clear()  # nothing cached: every run starts from the bare Graph
                 t0 = time.perf_counter()
                 chain = C.build_chain(g)
                 build.append(time.perf_counter() - t0)

@@ -11,6 +11,7 @@ import pytest
 from memplan.core import chain as C
 from memplan.core import graph as g
 from memplan.core import liveness as L
+from memplan.core.graph_arrays import graph_arrays
 from memplan.core.ops import is_expensive
 from tests.core.graphs import NAMES, tiny
 
@@ -250,6 +251,6 @@ def test_build_chain_equals_reference(name: str) -> None:
 
 def test_graph_arrays_are_cached_per_graph() -> None:
     graph = tiny("lstm")
-    assert C.graph_arrays(graph) is C.graph_arrays(graph)
-    assert C.graph_arrays(graph).timeline.tolist() == graph.live_bytes_timeline()
+    assert graph_arrays(graph) is graph_arrays(graph)
+    assert graph_arrays(graph).timeline.tolist() == graph.live_bytes_timeline()
     assert C.build_chain(tiny("calibration")).n == 9

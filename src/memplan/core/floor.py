@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from memplan.core import graph as g
-from memplan.core.chain import NO_DEATH, _flat, graph_arrays
+from memplan.core.graph_arrays import NO_DEATH, flat, graph_arrays
 
 STANDING = (g.PARAMETER, g.BUFFER, g.INPUT, g.GRADIENT)  # live from birth to death, any plan
 
@@ -43,7 +43,7 @@ def peak_floor(graph: g.Graph) -> Floor:
     np.add.at(delta, birth[standing], nbytes[standing])
     np.add.at(delta, death[standing], -nbytes[standing])
     live = np.cumsum(delta[:n])
-    pairs = [_flat(events, attr) for attr in ("inputs", "outputs")]
+    pairs = [flat(events, attr) for attr in ("inputs", "outputs")]
     keys = np.sort(np.concatenate([e * nv + v for e, v in pairs]))
     keys = keys[np.concatenate(([True], keys[1:] != keys[:-1]))]  # each value once per op
     e, v = keys // nv, keys % nv

@@ -1,12 +1,19 @@
 """Liveness in the plain run: which forward values are live across each op boundary, and the
 candidate cut points (stage boundaries) a plan may choose from: the paper's candidate set C in
-Alg. 3, with the bytes a checkpoint there must keep. Pure Python over a Graph's ops."""
+Alg. 3, with the bytes a checkpoint there must keep; which values are shared, skips or held."""
 
 from __future__ import annotations
 
-import bisect
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
 
 from memplan.core import graph as g
+from memplan.core.jit import jit
+
+I64 = npt.NDArray[np.int64]
 
 
 def live_across(
@@ -180,23 +187,8 @@ def shared_values(
     layer reads them; the runtime keeps them as a tape's outside input), so the chain counts
     them like parameters and never lets them decide where a boundary may go.
     """
-    chains = _call_chains(len(ops), tuple(c for c in calls if not c.leaf))
-    found: dict[int, dict[int, set[int]]] = {}
-    for op in ops:
-        for vid in op.inputs:
-            v = values[vid]
-            if v.kind != g.ACTIVATION or v.producer < 0 or v.producer >= op.index:
-                continue
-            reader, maker = chains[op.index], chains[v.producer]
-            k = 0
-            while k < len(reader) and k < len(maker) and reader[k] == maker[k]:
-                k += 1
-            if k < len(reader):
-                found.setdefault(vid, {}).setdefault(k, set()).add(reader[k])
-    # Two reading calls at one depth below the producer's (layers of one model), not one at
-    # each (an LSTM cell's h, read by the next layer of its step and by the next step).
-    return frozenset(vid for vid, by_depth in found.items()
-                     if any(len(outer) >= 2 for outer in by_depth.values()))
+    arrays = ValueArrays.of(values, ops)
+    return frozenset(np.flatnonzero(shared_mask(arrays, calls)).tolist())
 
 
 def skip_values(
@@ -209,33 +201,8 @@ def skip_values(
 
     Found in the call tree: the innermost call around both the producer and the last reader,
     and its direct child calls lying wholly between them."""
-    outer = tuple(c for c in calls if not c.leaf and c.end > c.start)
-    chains = _call_chains(len(ops), outer)
-    children: dict[int, list[tuple[int, int]]] = {}
-    for i, c in enumerate(outer):
-        chain = chains[c.start]
-        parent = chain[chain.index(i) - 1] if chain.index(i) > 0 else -1
-        children.setdefault(parent, []).append((c.start, c.end))
-    for kids in children.values():
-        kids.sort()
-    last_read = [-1] * len(values)
-    for op in ops:
-        for vid in op.inputs:
-            last_read[vid] = op.index
-    out = []
-    for v in values:
-        p, u = v.producer, last_read[v.id]
-        if v.kind != g.ACTIVATION or p < 0 or u <= p + 1:
-            continue
-        a, b = chains[p], chains[u]
-        k = 0
-        while k < len(a) and k < len(b) and a[k] == b[k]:
-            k += 1
-        kids = children.get(a[k - 1] if k else -1, [])
-        first = bisect.bisect_right(kids, (p, len(ops)))  # children starting after p
-        if first + 1 < len(kids) and kids[first + 1][1] <= u:  # two of them end before u
-            out.append(v.id)
-    return frozenset(out)
+    arrays = ValueArrays.of(values, ops)
+    return frozenset(np.flatnonzero(skip_mask(arrays, calls)).tolist())
 
 
 def held_past_cuts(values: tuple[g.Value, ...], ops: tuple[g.Op, ...], cut_afters: list[int]
@@ -244,41 +211,179 @@ def held_past_cuts(values: tuple[g.Value, ...], ops: tuple[g.Op, ...], cut_after
     cache in the model's output, a list of hidden states, a local variable until its function
     returns), and which cut points they are held across: value id -> (first, last) cut index.
     A recompute region cannot drop them before ``Value.death_unsaved``."""
-    last_read = [-1] * len(values)
-    for op in ops:
-        for vid in op.inputs + op.mutated:
-            last_read[vid] = op.index
-    out: dict[int, tuple[int, int]] = {}
-    for v in values:
-        if v.kind != g.ACTIVATION or v.producer < 0:
+    vid, first, last = held_spans(ValueArrays.of(values, ops), np.asarray(cut_afters, np.int64))
+    return {v: (a, b) for v, a, b in zip(vid.tolist(), first.tolist(), last.tolist())}
+
+
+@dataclass(frozen=True)
+class ValueArrays:
+    """What the scans above read of a Graph, as arrays: per value, per forward read."""
+
+    n_ops: int
+    activation: npt.NDArray[np.bool_]  # per value: an activation
+    producer: I64  # per value: the forward op making it (-1: none)
+    death_unsaved: I64  # per value: Value.death_unsaved (n_ops when None)
+    read_op: I64  # (op, value) pairs of the forward ops' inputs
+    read_vid: I64
+    last_use: I64  # per value: the last forward op reading or writing it (-1: none)
+
+    @classmethod
+    def of(cls, values: tuple[g.Value, ...], ops: tuple[g.Op, ...]) -> ValueArrays:
+        n_ops, nv = len(ops), len(values)
+        read_op, read_vid = _pairs([op.inputs for op in ops])
+        mut_op, mut_vid = _pairs([op.mutated for op in ops])
+        last_use = np.full(nv, -1, dtype=np.int64)
+        np.maximum.at(last_use, read_vid, read_op)
+        np.maximum.at(last_use, mut_vid, mut_op)
+        return cls(n_ops, np.array([v.kind == g.ACTIVATION for v in values], dtype=np.bool_),
+                   np.array([v.producer for v in values], dtype=np.int64),
+                   np.array([n_ops if v.death_unsaved is None else v.death_unsaved
+                             for v in values], dtype=np.int64), read_op, read_vid, last_use)
+
+
+def _pairs(lists: list[tuple[int, ...]]) -> tuple[I64, I64]:
+    lens = np.array([len(x) for x in lists], dtype=np.int64)
+    items = np.fromiter(itertools.chain.from_iterable(lists), np.int64, int(lens.sum()))
+    return np.repeat(np.arange(len(lists), dtype=np.int64), lens), items
+
+
+def _call_array(calls: tuple[g.ModuleCall, ...]) -> tuple[I64, I64]:
+    return (np.array([c.start for c in calls], dtype=np.int64),
+            np.array([c.end for c in calls], dtype=np.int64))
+
+
+def shared_mask(va: ValueArrays, calls: tuple[g.ModuleCall, ...]) -> npt.NDArray[np.bool_]:
+    """``shared_values`` as a mask over values."""
+    starts, ends = _call_array(tuple(c for c in calls if not c.leaf))
+    chains, depth = _call_chains(va.n_ops, starts, ends, np.lexsort((-ends, starts)))
+    vid, k, outer = _reading_calls(chains, depth, va.read_op, va.read_vid, va.activation,
+                                   va.producer)
+    # Two reading calls at one depth below the producer's (layers of one model), not one at
+    # each (an LSTM cell's h, read by the next layer of its step and by the next step).
+    width = max(int(outer.max(initial=0)) + 1, 1)
+    keys = np.unique((vid * (int(depth.max(initial=0)) + 1) + k) * width + outer)
+    groups, counts = np.unique(keys // width, return_counts=True)
+    mask = np.zeros(len(va.activation), dtype=np.bool_)
+    mask[groups[counts >= 2] // (int(depth.max(initial=0)) + 1)] = True
+    return mask
+
+
+def skip_mask(va: ValueArrays, calls: tuple[g.ModuleCall, ...]) -> npt.NDArray[np.bool_]:
+    """``skip_values`` as a mask over values."""
+    starts, ends = _call_array(tuple(c for c in calls if not c.leaf and c.end > c.start))
+    chains, depth = _call_chains(va.n_ops, starts, ends, np.lexsort((-ends, starts)))
+    last_read = np.full(len(va.activation), -1, dtype=np.int64)
+    np.maximum.at(last_read, va.read_vid, va.read_op)
+    parent = _parents(chains, depth, starts)
+    order = np.lexsort((ends, starts, parent))  # children of each parent by (start, end)
+    return _passes_two_calls(chains, depth, ends, parent, order, starts[order], va.activation,
+                             va.producer, last_read)
+
+
+def held_spans(va: ValueArrays, cut_afters: I64) -> tuple[I64, I64, I64]:
+    """``held_past_cuts`` as arrays: (value, first cut, last cut), by value id."""
+    lo = np.maximum(va.producer, va.last_use)
+    first = np.searchsorted(cut_afters, lo, side="left")
+    last = np.searchsorted(cut_afters, va.death_unsaved, side="left") - 1
+    vid = np.flatnonzero(va.activation & (va.producer >= 0) & (first <= last))
+    return vid, first[vid], last[vid]
+
+
+@jit
+def _call_chains(n_ops: int, starts: I64, ends: I64, order: I64) -> tuple[I64, I64]:
+    """For each forward op, the indices of the calls around it, outermost first: (chains,
+    one row per op padded with -1, depth per op). ``order``: calls by start, longest first."""
+    depth = np.zeros(n_ops, np.int64)
+    stack = np.empty(len(starts) + 1, np.int64)
+    rows = np.full((n_ops, 1), -1, np.int64)
+    for fill in range(2):  # the first pass finds the depth, the second writes the rows
+        top, pos = 0, 0
+        for op in range(n_ops):
+            while top and ends[stack[top - 1]] <= op:
+                top -= 1
+            while pos < len(order) and starts[order[pos]] <= op:
+                i = order[pos]
+                pos += 1
+                if ends[i] <= op:
+                    continue  # an empty call
+                while top and ends[stack[top - 1]] <= starts[i]:
+                    top -= 1
+                stack[top] = i
+                top += 1
+            while top and ends[stack[top - 1]] <= op:
+                top -= 1
+            depth[op] = top
+            if fill:
+                rows[op, :top] = stack[:top]
+        if not fill:
+            rows = np.full((n_ops, max(1, depth.max() if n_ops else 1)), -1, np.int64)
+    return rows, depth
+
+
+@jit
+def _common(chains: I64, depth: I64, a: int, b: int) -> int:
+    """How many calls the chains of ops a and b share, outermost first."""
+    k = 0
+    while k < depth[a] and k < depth[b] and chains[a, k] == chains[b, k]:
+        k += 1
+    return k
+
+
+@jit
+def _reading_calls(chains: I64, depth: I64, read_op: I64, read_vid: I64,
+                   activation: npt.NDArray[np.bool_], producer: I64
+                   ) -> tuple[I64, I64, I64]:
+    """Per forward read of an activation made earlier: (value, depth k at which the reader's
+    calls leave the producer's, the reader's call there), where the reader is inside one."""
+    n = len(read_op)
+    vid, at, outer = np.empty(n, np.int64), np.empty(n, np.int64), np.empty(n, np.int64)
+    w = 0
+    for p in range(n):
+        op, v = read_op[p], read_vid[p]
+        m = producer[v]
+        if not activation[v] or m < 0 or m >= op:
             continue
-        lo = max(v.producer, last_read[v.id])
-        hi = len(ops) if v.death_unsaved is None else v.death_unsaved
-        first = bisect.bisect_left(cut_afters, lo)
-        last = bisect.bisect_left(cut_afters, hi) - 1  # cuts with lo <= after < hi
-        if first <= last:
-            out[v.id] = (first, last)
+        k = _common(chains, depth, op, m)
+        if k < depth[op]:
+            vid[w], at[w], outer[w] = v, k, chains[op, k]
+            w += 1
+    return vid[:w], at[:w], outer[:w]
+
+
+@jit
+def _parents(chains: I64, depth: I64, starts: I64) -> I64:
+    """Each call's parent call (-1: none), from the chain at its first op."""
+    parent = np.full(len(starts), -1, np.int64)
+    for i in range(len(starts)):
+        row = starts[i]
+        for q in range(1, depth[row]):
+            if chains[row, q] == i:
+                parent[i] = chains[row, q - 1]
+    return parent
+
+
+@jit
+def _passes_two_calls(chains: I64, depth: I64, ends: I64, parent: I64, order: I64,
+                      kid_start: I64, activation: npt.NDArray[np.bool_], producer: I64, last_read: I64
+                      ) -> npt.NDArray[np.bool_]:
+    """Values for which two children of the innermost call around their producer and last
+    reader start after the producer, the second ending by the last read. ``order``: the
+    calls by parent, then (start, end); ``kid_start``: their starts in that order."""
+    nc = len(parent)
+    offset = np.zeros(nc + 2, np.int64)  # children of parent p: order[offset[p+1]:offset[p+2]]
+    for i in range(nc):
+        offset[parent[i] + 2] += 1
+    for p in range(1, nc + 2):
+        offset[p] += offset[p - 1]
+    out = np.zeros(len(producer), np.bool_)
+    for v in range(len(producer)):
+        p, u = producer[v], last_read[v]
+        if not activation[v] or p < 0 or u <= p + 1:
+            continue
+        k = _common(chains, depth, p, u)
+        par = chains[p, k - 1] if k else -1
+        lo, hi = offset[par + 1], offset[par + 2]
+        first = lo + np.searchsorted(kid_start[lo:hi], p, side="right")  # starting after p
+        if first + 1 < hi and ends[order[first + 1]] <= u:
+            out[v] = True
     return out
-
-
-def _call_chains(n_ops: int, calls: tuple[g.ModuleCall, ...]) -> list[tuple[int, ...]]:
-    """For each forward op, the indices of the non-leaf calls around it, outermost first."""
-    chains: list[tuple[int, ...]] = [()] * n_ops
-    order = sorted(range(len(calls)), key=lambda i: (calls[i].start, -calls[i].end))
-    stack: list[int] = []
-    pos = 0
-    for op in range(n_ops):
-        while stack and calls[stack[-1]].end <= op:
-            stack.pop()
-        while pos < len(order) and calls[order[pos]].start <= op:
-            i = order[pos]
-            pos += 1
-            if calls[i].end <= op:
-                continue  # an empty call
-            while stack and calls[stack[-1]].end <= calls[i].start:
-                stack.pop()
-            stack.append(i)
-        while stack and calls[stack[-1]].end <= op:
-            stack.pop()
-        chains[op] = tuple(stack)
-    return chains

@@ -16,8 +16,8 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
+from memplan.core.jit import jit
 from memplan.core.planners.frontier import CHEAP, COST, DC_NEED, DPREV, NEED_B, TF_TOP, XBAR, XSAC
-from memplan.core.planners.jit import jit
 
 I64 = npt.NDArray[np.int64]
 F64 = npt.NDArray[np.float64]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from memplan.core.planners.jit import jit
+from memplan.core.jit import jit
 
 I64 = npt.NDArray[np.int64]
 I32 = npt.NDArray[np.int32]
