@@ -6,8 +6,14 @@ give the same graph fingerprint. ``--src`` times other source trees too, interle
 worktree of an older commit: ``--src src,/work/wt/old/src``; the fast path only, through the
 public ``memplan.capture``, which every layout has).
 
+``--warm`` also times each capture in a process that has already paid torch's one-time costs:
+``FakeTensorMode()`` imports ``torch._dynamo`` (about 1.9 s CPU here), and the fake mode's first
+call of each op loads its decompositions and meta kernels. A tiny model of the same family is
+captured first (same ops, other shapes: the fake mode's per-shape cache stays cold), so the
+warm figure is capture's own work and cold minus warm is what any first fake-tensor run pays.
+
     .venv/bin/python benchmarks/capture.py [--models resnet1000,lstm1024] [--repeat 3]
-        [--reference] [--src src,OTHER/src] [--out capture.json]
+        [--reference] [--warm] [--src src,OTHER/src] [--out capture.json]
 """
 
 from __future__ import annotations
@@ -25,31 +31,41 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "lstm1024": ("lstm", {"steps": 1024}),
     "lstm2048": ("lstm", {"steps": 2048}),
 }
+# --warm: a model of the same family, captured first in the process (tests/small.py's configs).
+WARMUP: dict[str, dict[str, Any]] = {
+    "resnet": {"depth": 14, "batch": 2, "image": 32, "classes": 10},
+    "lstm": {"steps": 4, "batch": 2, "hidden": 32, "input": 8, "classes": 10},
+}
 
 _RUN = """
 import json, os, time, torch
 torch.set_num_threads(1)
 import memplan
-w = memplan.models.get({name!r}, **{params!r})
-wall, cpu = time.perf_counter(), time.process_time()
-if {fast!r}:
-    g = memplan.capture(w)
-else:
+def capture(w):
+    if {fast!r}:
+        return memplan.capture(w)
     from memplan.tracing.capture import capture_target
     from memplan.tracing.step import as_target
-    g = capture_target(as_target(w, (), None), fast=False)
+    return capture_target(as_target(w, (), None), fast=False)
+w = memplan.models.get({name!r}, **{params!r})
+if {warm!r}:
+    capture(memplan.models.get({name!r}, **{warmup!r}))
+wall, cpu = time.perf_counter(), time.process_time()
+g = capture(w)
 print(json.dumps({{"wall_s": time.perf_counter() - wall, "cpu_s": time.process_time() - cpu,
                   "fingerprint": g.fingerprint, "ops": len(g.ops),
                   "backward_ops": len(g.backward_ops), "load": os.getloadavg()[0]}}))
 """
 
 
-def run_once(model: str, fast: bool, src: str | None = None) -> dict[str, Any]:
+def run_once(model: str, fast: bool, src: str | None = None, warm: bool = False
+             ) -> dict[str, Any]:
     name, params = MODELS[model]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     if src is not None:
         env["PYTHONPATH"] = os.path.abspath(src)
-    done = subprocess.run([sys.executable, "-c", _RUN.format(name=name, params=params, fast=fast)],
+    done = subprocess.run([sys.executable, "-c", _RUN.format(name=name, params=params, fast=fast, warm=warm,
+                                                      warmup=WARMUP[name])],
                           capture_output=True, text=True, check=True, env=env)
     return dict(json.loads(done.stdout.strip().splitlines()[-1]))
 
@@ -59,6 +75,8 @@ def main() -> None:
     ap.add_argument("--models", default="resnet1000,lstm1024")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--reference", action="store_true", help="also time the reference path")
+    ap.add_argument("--warm", action="store_true",
+                    help="also time captures after a warm-up capture in the same process")
     ap.add_argument("--src", default=None, help="source trees to time, comma-separated")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -69,11 +87,13 @@ def main() -> None:
         for _ in range(args.repeat):
             for src in srcs:
                 for path in ("fast", "reference") if args.reference else ("fast",):
-                    label = path if src is None else f"{path} {src}"
-                    r = run_once(model, path == "fast", src)
-                    runs.setdefault(label, []).append(r)
-                    print(f"  {model} {label}: wall {r['wall_s']:.2f} s, cpu {r['cpu_s']:.2f} s, "
-                          f"load {r['load']:.1f}", flush=True)
+                    for warm in (False, True) if args.warm else (False,):
+                        label = " ".join(
+                            [path] + (["warm"] if warm else []) + ([src] if src else []))
+                        r = run_once(model, path == "fast", src, warm)
+                        runs.setdefault(label, []).append(r)
+                        print(f"  {model} {label}: wall {r['wall_s']:.2f} s, "
+                              f"cpu {r['cpu_s']:.2f} s, load {r['load']:.1f}", flush=True)
         for path, got in runs.items():
             if not got:
                 continue
