@@ -21,9 +21,9 @@ from memplan.runtime import units as U
 from memplan.runtime.tape import WRITE_ONLY, tensors, written_tensors
 from memplan.tracing.datadep import Oracle, run_with_oracle
 from memplan.tracing.fake import fake_forward, model_device, real_forward, spec_args
+from memplan.tracing.module_hooks import global_module_hooks
 from memplan.tracing.opinfo import is_counted
 from memplan.tracing.step import no_cyclic_gc
-from memplan.tracing.tracer import global_module_hooks
 
 
 @dataclass

@@ -28,8 +28,9 @@ from memplan.tracing.fake import (
     make_fake_in_place,
     real_forward,
 )
+from memplan.tracing.module_hooks import module_hooks
 from memplan.tracing.opcache import FakeOpCache
-from memplan.tracing.tracer import StepTracer, module_hooks
+from memplan.tracing.tracer import StepTracer
 
 LossFn = Callable[[Any], torch.Tensor]
 
