@@ -3,7 +3,6 @@ and ``floor`` read instead of the Python objects (values, ops, cut points)."""
 
 from __future__ import annotations
 
-import itertools
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -14,7 +13,7 @@ import numpy as np
 import numpy.typing as npt
 
 from memplan.core import graph as g
-from memplan.core.liveness import ValueArrays
+from memplan.core.liveness import ValueArrays, pairs
 from memplan.core.ops import is_expensive
 from memplan.core.resident import resident_values
 
@@ -91,10 +90,7 @@ def _optional(objs: Sequence[Any], attr: str, none: int) -> I64:
 
 def flat(objs: Sequence[Any], attr: str) -> tuple[I64, I64]:
     """(owner index, item) pairs of the tuples ``obj.attr`` of every object."""
-    lists = list(map(attrgetter(attr), objs))
-    lens = np.fromiter(map(len, lists), np.int64, len(lists))
-    items = np.fromiter(itertools.chain.from_iterable(lists), np.int64, int(lens.sum()))
-    return np.repeat(np.arange(len(lists), dtype=np.int64), lens), items
+    return pairs(list(map(attrgetter(attr), objs)))
 
 
 

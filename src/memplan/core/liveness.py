@@ -5,6 +5,7 @@ Alg. 3, with the bytes a checkpoint there must keep; which values are shared, sk
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -230,8 +231,8 @@ class ValueArrays:
     @classmethod
     def of(cls, values: tuple[g.Value, ...], ops: tuple[g.Op, ...]) -> ValueArrays:
         n_ops, nv = len(ops), len(values)
-        read_op, read_vid = _pairs([op.inputs for op in ops])
-        mut_op, mut_vid = _pairs([op.mutated for op in ops])
+        read_op, read_vid = pairs([op.inputs for op in ops])
+        mut_op, mut_vid = pairs([op.mutated for op in ops])
         last_use = np.full(nv, -1, dtype=np.int64)
         np.maximum.at(last_use, read_vid, read_op)
         np.maximum.at(last_use, mut_vid, mut_op)
@@ -241,8 +242,9 @@ class ValueArrays:
                              for v in values], dtype=np.int64), read_op, read_vid, last_use)
 
 
-def _pairs(lists: list[tuple[int, ...]]) -> tuple[I64, I64]:
-    lens = np.array([len(x) for x in lists], dtype=np.int64)
+def pairs(lists: Sequence[tuple[int, ...]]) -> tuple[I64, I64]:
+    """(owner index, item) pairs of a list of int tuples, as two arrays."""
+    lens = np.fromiter(map(len, lists), np.int64, len(lists))
     items = np.fromiter(itertools.chain.from_iterable(lists), np.int64, int(lens.sum()))
     return np.repeat(np.arange(len(lists), dtype=np.int64), lens), items
 
