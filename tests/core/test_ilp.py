@@ -3,6 +3,7 @@ a U-Net (long skips: most cut points are not clean) it beats the chain DP on the
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 
@@ -18,7 +19,7 @@ from memplan.core import schedule as S
 from memplan.core.graph import Graph
 from memplan.core.planners import PLANNERS
 from memplan.core.planners import optimal as O
-from memplan.core.planners.ilp import ilp_chain, solve_milp
+from memplan.core.planners.ilp import ilp_chain, plan_ilp, solve_milp
 from memplan.errors import BudgetTooSmall
 from tests.core.graphs import tiny
 from tests.core.test_planners import chains, schedules
@@ -123,6 +124,8 @@ def test_ilp_bad_arguments() -> None:
         PLANNERS["ilp"](g, None, cuts="some")
     with pytest.raises(errors.ConfigError, match="time_limit_s"):
         PLANNERS["ilp"](g, None, time_limit_s=0)
+    with pytest.raises(errors.ConfigError, match="time_limit_s"):
+        PLANNERS["ilp"](g, None, time_limit_s="10")
     with pytest.raises(errors.ConfigError, match="stage_time_s"):
         PLANNERS["ilp"](g, None, stage_time_s=[1.0])
     assert np.array_equal(ilp_chain(g, "clean").last, C.build_chain(g).last)
@@ -131,14 +134,27 @@ def test_ilp_bad_arguments() -> None:
 @pytest.mark.parametrize("node_limit", [1, 5000])
 def test_ilp_is_deterministic(node_limit: int) -> None:
     """Same input, same plan, whatever the load: HiGHS stops at a node limit (work, not
-    time); the wall-clock safety net does not change the result, and notes carry no
-    timing-dependent figures."""
+    time), and by default there is no wall-clock limit at all; notes carry no
+    timing-dependent figures. A generous explicit time limit changes nothing."""
     g = unet_graph()
     budget = int(g.peak_bytes * 0.8)
-    plans = [PLANNERS["ilp"](g, budget, node_limit=node_limit, time_limit_s=t).to_json()
-             for t in (600.0, 600.0, 3600.0)]
+    plans = [PLANNERS["ilp"](g, budget, node_limit=node_limit).to_json() for _ in range(2)]
+    plans.append(PLANNERS["ilp"](g, budget, node_limit=node_limit, time_limit_s=3600).to_json())
     assert plans[0] == plans[1] == plans[2]
     assert "time" not in " ".join(json.loads(plans[0])["notes"]).replace("time_limit_s", "")
+    assert inspect.signature(plan_ilp).parameters["time_limit_s"].default is None
+
+
+def test_an_explicit_time_limit_that_stops_the_search_says_so() -> None:
+    """A wall-clock limit is the caller's choice: a search it stops is not used (a dynamic
+    program's plan is returned, the same schedule as without the limit), and the notes say
+    the result then depends on the machine."""
+    g = unet_graph()
+    budget = int(g.peak_bytes * 0.8)
+    plan = PLANNERS["ilp"](g, budget, time_limit_s=1e-9)
+    assert plan.schedule == PLANNERS["ilp"](g, budget).schedule
+    assert any("stopped by time_limit_s" in n and "depend on the machine" in n
+               for n in plan.notes)
 
 
 def test_ilp_on_a_long_chain_returns_the_exact_dp_and_says_why() -> None:

@@ -124,9 +124,9 @@ def _accepting(runs: list[Planner], budget: int) -> list[Plan]:
 
 
 def _shared_params(planner: str, params: dict[str, Any]) -> dict[str, Any]:
-    """The parameters another planner takes from the user's: drop_cheap, and ilp's time
-    limit."""
-    keys = {"optimal": ("drop_cheap",), "ilp": ("drop_cheap", "time_limit_s")}.get(planner, ())
+    """The parameters another planner takes from the user's: drop_cheap, and ilp's limits."""
+    keys = {"optimal": ("drop_cheap",),
+            "ilp": ("drop_cheap", "node_limit", "time_limit_s")}.get(planner, ())
     return {k: params[k] for k in keys if k in params}
 
 
