@@ -157,6 +157,20 @@ def test_pruning_and_sharing_keep_the_optimum(c: C.Chain, budget: int) -> None:
     assert cost == full_program(c, free, share=True) == full_program(c, free, share=False)
 
 
+@settings(max_examples=60, deadline=None)
+@given(repeating_chains(max_k=14), st.integers(0, 120), st.integers(0, 4000))
+def test_a_starting_cost_changes_nothing(c: C.Chain, budget: int, upper: int) -> None:
+    """The search's first caps may come from any plan's cost (optimal.upper_cost), too low or
+    high: the program found, and so the plan, is the same as without it."""
+    free = budget - c.base_bytes
+    shape = O._Shape.of(O.stage_table(c), True)
+    plain, started = O.search(shape, free), O.search(shape, free, upper)
+    assert (plain is None) == (started is None)
+    if plain is not None and started is not None:
+        assert plain.point(0, c.n - 1, 0, free) == started.point(0, c.n - 1, 0, free)
+        assert plain.schedule(0, c.n - 1, 0, free) == started.schedule(0, c.n - 1, 0, free)
+
+
 def uniform_chain(k: int) -> C.Chain:
     """An LSTM-like chain: equal steps, then a loss stage; gradient bytes of shared weights."""
     def rep(v: int, last: int) -> np.ndarray:
@@ -181,6 +195,19 @@ def test_long_uniform_chain_nests_and_stays_exact(extra: int) -> None:
     assert peak <= c.base_bytes + free and flops == cost
     if extra <= 5:
         assert O.nesting(sch) >= 2
+
+
+@pytest.mark.parametrize("extra", [3, 40, 400])
+def test_chain_longer_than_the_coarse_one_stays_exact(extra: int) -> None:
+    """150 stages: the search starts from the 100-group plan's cost (optimal.upper_cost) and
+    still finds the full program's optimum; schedule_cost is the simulated cost."""
+    c = uniform_chain(150)
+    assert c.n > O.COARSE_STAGES
+    free = O.least_need(O._Shape.of(O.stage_table(c), True)) + extra
+    assert O.upper_cost(c, O.stage_table(c), free, True) is not None or extra < 40
+    cost, sch = O.solve(c, free)
+    assert sch is not None and cost == full_program(c, free, share=False)
+    assert O.schedule_cost(O.stage_table(c), sch) == S.simulate(c, sch)[1] == cost
 
 
 @pytest.mark.parametrize("name", sorted(TINY))

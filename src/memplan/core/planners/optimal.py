@@ -35,8 +35,10 @@ from memplan.errors import bad_arg
 
 I64 = npt.NDArray[np.int64]
 I32 = npt.NDArray[np.int32]
+F64 = npt.NDArray[np.float64]
 INF = float("inf")
 SLACK_START = 32  # the first search allows 1/32 of a forward pass above the lower bound
+COARSE_STAGES = 100  # the plan whose cost starts the exact search (``upper_cost``)
 LEAST_PEAK_TOLERANCE = 1024  # without a budget: the least peak to 1/1024 of the plain one
 MAX_NESTING = 100  # deeper plans recompute stages 100+ times; chain._run etc. recurse per level
 
@@ -138,35 +140,66 @@ class _Program:
         return tuple(items)
 
 
-def _cost_caps(shape: _Shape, free: int, slack: int) -> tuple[I64, int]:
+def _cost_caps(shape: _Shape, bounds: tuple[float, F64], slack: int) -> tuple[I64, int]:
     """Cost caps that keep every plan whose recomputation is within ``slack`` of the lower
-    bound (``bounds``): the suffix from s pays at most the rest of that after the prefix's
-    own least recomputation; a region's body at most the slack beyond one replay."""
+    bound (``bounds``: ``recompute_bounds``): the suffix from s pays at most the rest of that
+    after the prefix's own least recomputation; a region's body at most the slack beyond one
+    replay."""
     cost = shape.st[F.COST]
-    lb_total, lb_prefix = recompute_bounds(shape.st, free, shape.allow_dc)
+    lb_total, lb_prefix = bounds
     margin = 1 + int(1e-9 * float(cost.sum()))  # the bounds are floats
     suffix = np.cumsum(cost[::-1])[::-1]
     top = suffix + np.floor(lb_total - lb_prefix).astype(np.int64) + slack + margin
     return np.minimum(top, F.BIG // 4), min(slack + margin, F.BIG // 4)
 
 
-def search(shape: _Shape, free: int) -> _Program | None:
+def search(shape: _Shape, free: int, upper: int | None = None) -> _Program | None:
     """The program at ``free`` bytes whose root point is the optimum; None: nothing fits.
     Costs are capped at the lower bound plus a slack; if that cuts every plan, the slack
-    doubles (the caps never cut a plan within them, so the first plan found is optimal)."""
+    doubles (the caps never cut a plan within them, so the first plan found is optimal).
+    ``upper``: the cost of a plan thought to fit; the first slack is at most what keeps it
+    (smaller caps, a faster fill; if it does not fit after all, the slack doubles on)."""
     k = shape.st.shape[1]
     total = int(shape.st[F.COST].sum()) + int(shape.st[F.CHEAP].sum())
+    bounds = recompute_bounds(shape.st, free, shape.allow_dc)
     slack = max(1, int(shape.st[F.COST].sum()) // SLACK_START)
+    if upper is not None:
+        slack = min(slack, max(1, upper - int(shape.st[F.COST].sum()) - int(bounds[0]) + 1))
     checked = False
     while True:
         unbounded = slack > (k + 1) * max(total, 1)
-        prog = shape.fill(free, None if unbounded else _cost_caps(shape, free, slack))
+        prog = shape.fill(free, None if unbounded else _cost_caps(shape, bounds, slack))
         if prog.point(0, k - 1, 0, free) is not None:
             return prog
         if unbounded or (not checked and least_need(shape) > free):
             return None
         checked = True
         slack *= 2
+
+
+def schedule_cost(st: I64, items: tuple[Item, ...]) -> int:
+    """The program's cost of a schedule (every forward run, replays included)."""
+    total = 0
+    for it in items:
+        if isinstance(it, Keep):
+            total += int(st[F.COST, it.stage])
+        elif isinstance(it, DropCheap):
+            total += int(st[F.COST, it.stage] + st[F.CHEAP, it.stage])
+        else:
+            total += int(st[F.COST, it.start : it.end + 1].sum()) + schedule_cost(st, it.body)
+    return total
+
+
+def upper_cost(c: Chain, st: I64, avail_bytes: int, allow_dc: bool) -> int | None:
+    """The cost (in ``st``'s units) of the plan of the chain merged into ``COARSE_STAGES``
+    groups (``coarse``: a few milliseconds), which mostly fits ``avail_bytes`` too and costs
+    a little more than the optimum: ``search`` starts from it. None: too short, or no fit."""
+    if c.n <= COARSE_STAGES:
+        return None
+    coarse, groups = coarsen(c, COARSE_STAGES)
+    group_cost = np.array([st[F.COST, a : b + 1].sum() for a, b in groups], dtype=np.int64)
+    _, sch = solve(coarse, avail_bytes, cost=group_cost, allow_drop_cheap=allow_dc)
+    return None if sch is None else schedule_cost(st, expand(sch, groups))
 
 
 def least_need(shape: _Shape) -> int:
@@ -185,7 +218,9 @@ def solve(c: Chain, avail_bytes: int, slots: int | None = None, slot_bytes: int 
     slot = slot_bytes or (max(1, -(-avail_bytes // slots)) if slots else 1)
     shape = _Shape.of(stage_table(c, cost, slot), allow_drop_cheap)
     free = avail_bytes // slot
-    prog = search(shape, free)
+    exact = slot == 1  # a plan that fits in bytes may not in slots
+    upper = upper_cost(c, shape.st, avail_bytes, allow_drop_cheap) if exact else None
+    prog = search(shape, free, upper)
     if prog is None:
         return INF, None
     hit = prog.point(0, c.n - 1, 0, free)
