@@ -9,6 +9,13 @@ boundaries; their peaks are measured and printed beside the times. Times: proces
 column runs torch's checkpoint with early stop off, replaying whole units (memplan's replays
 stop early, as torch's do by default).
 
+Repeatable rows: capture leaves ~400k objects tracked by Python's garbage collector in this
+process, so a full collection (~0.2 s) would land on whichever variant's step crosses the
+threshold. After each case's set-up the objects alive are collected and frozen
+(``gc.collect(); gc.freeze()``: a collection then walks only what the steps make), and each
+round runs the variants in a rotated order, so none always follows the same one (the
+allocator's state, the young generation's count).
+
     .venv/bin/python benchmarks/executor_overhead.py [--device cpu|cuda] [--repeat 15]
         [--only gpt|lstm] [--out DIR]
 """
@@ -17,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
 import statistics
@@ -118,11 +126,15 @@ class NoEarlyStop(nn.Module):
 
 def timed(models: dict[str, nn.Module], inputs: tuple[Any, ...], loss: Any, repeat: int,
           cuda: bool) -> tuple[dict[str, float], dict[str, float]]:
-    """Median wall and process-CPU time of a step, runs interleaved round-robin."""
+    """Median wall and process-CPU time of a step, runs interleaved round-robin, the order
+    rotated by one variant each round."""
     wall: dict[str, list[float]] = {k: [] for k in models}
     cpu: dict[str, list[float]] = {k: [] for k in models}
+    names = list(models)
     for i in range(repeat + 2):  # two warm-up rounds
-        for name, model in models.items():
+        for j in range(len(names)):
+            name = names[(i + j) % len(names)]
+            model = models[name]
             for p in model.parameters():
                 p.grad = None
             if cuda:
@@ -151,7 +163,12 @@ def run_case(case: tuple[str, Workload, Workload, list[int], list[bool]], dev: s
                   "torch, no early stop": NoEarlyStop(peer.build_model())}
     peaks = {k: memplan.measure(m, *inputs, loss_fn=w.loss, simulate=False, device=dev,
                                 repeat=1).peak_bytes for k, m in models.items()}
-    wall, cpu = timed(models, inputs, w.loss, repeat, dev == "cuda")
+    gc.collect()
+    gc.freeze()  # what set-up left is never walked again (see the module docstring)
+    try:
+        wall, cpu = timed(models, inputs, w.loss, repeat, dev == "cuda")
+    finally:
+        gc.unfreeze()
     row = {"case": name, "peak_bytes": peaks, "wall_s": wall, "cpu_s": cpu,
            "predicted_peak_bytes": plan.peak_bytes, "regions": sum(recomputed)}
     print(f"| {name} | {cpu['plain'] * 1e3:.2f} ms | "
@@ -163,7 +180,8 @@ def run_case(case: tuple[str, Workload, Workload, list[int], list[bool]], dev: s
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--repeat", type=int, default=15)
     ap.add_argument("--threads", type=int, default=1)
