@@ -42,10 +42,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memplan.runtime.entries import record_op, record_unit, unit_arguments
+from memplan.runtime.handles import Handle
 from memplan.runtime.layout import Layout, Template
 from memplan.runtime.replay import unpack
 from memplan.runtime.tape import (
-    Handle,
     Namer,
     Scope,
     Tape,
@@ -267,10 +267,9 @@ class StepState:
     def pack(self, t: torch.Tensor) -> Any:
         u = self.unit
         if u is not None:
-            h = Handle(u.scope, (u.entry, u.count), (t.shape, t.dtype))
+            row = u.scope.table.add_saved(u.entry, u.count, t)
             u.count += 1
-            u.scope.handles.append(weakref.ref(h))
-            return h
+            return Handle(u.scope, row)
         tmpl = self.template
         top = self.top
         if tmpl is None or top is None or _root(tmpl) is not top.template:
@@ -283,9 +282,7 @@ class StepState:
         scope = self.scopes[tmpl.index]
         while scope.parent is not None and pos[0] < scope.first_entry:
             scope = scope.parent  # made before this nested scope: its parent replays it
-        h = Handle(scope, pos)
-        scope.handles.append(weakref.ref(h))
-        return h
+        return Handle(scope, scope.table.add(*pos))
 
 
 def _root(t: Template) -> Template:
