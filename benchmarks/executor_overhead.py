@@ -14,7 +14,9 @@ process, so a full collection (~0.2 s) would land on whichever variant's step cr
 threshold. After each case's set-up the objects alive are collected and frozen
 (``gc.collect(); gc.freeze()``: a collection then walks only what the steps make), and each
 round runs the variants in a rotated order, so none always follows the same one (the
-allocator's state, the young generation's count).
+allocator's state, the young generation's count). The "paired" column is the median over
+rounds of memplan's step CPU time over torch checkpoint's in the same round: load that drifts
+over a run cancels out of it.
 
     .venv/bin/python benchmarks/executor_overhead.py [--device cpu|cuda] [--repeat 15]
         [--only gpt|lstm] [--out DIR]
@@ -128,9 +130,9 @@ class NoEarlyStop(nn.Module):
 
 
 def timed(models: dict[str, nn.Module], inputs: tuple[Any, ...], loss: Any, repeat: int,
-          cuda: bool) -> tuple[dict[str, float], dict[str, float]]:
-    """Median wall and process-CPU time of a step, runs interleaved round-robin, the order
-    rotated by one variant each round."""
+          cuda: bool) -> tuple[dict[str, float], dict[str, list[float]]]:
+    """Median wall time of a step, and the process-CPU time of each timed round's step, runs
+    interleaved round-robin, the order rotated by one variant each round."""
     wall: dict[str, list[float]] = {k: [] for k in models}
     cpu: dict[str, list[float]] = {k: [] for k in models}
     names = list(models)
@@ -150,8 +152,7 @@ def timed(models: dict[str, nn.Module], inputs: tuple[Any, ...], loss: Any, repe
             if i >= 2:
                 wall[name].append(w1 - w0)
                 cpu[name].append(c1 - c0)
-    return ({k: statistics.median(v) for k, v in wall.items()},
-            {k: statistics.median(v) for k, v in cpu.items()})
+    return {k: statistics.median(v) for k, v in wall.items()}, cpu
 
 
 def run_case(case: tuple[str, Workload, Workload, list[int], list[bool]], dev: str,
@@ -169,14 +170,20 @@ def run_case(case: tuple[str, Workload, Workload, list[int], list[bool]], dev: s
     gc.collect()
     gc.freeze()  # what set-up left is never walked again (see the module docstring)
     try:
-        wall, cpu = timed(models, inputs, w.loss, repeat, dev == "cuda")
+        wall, cpu_runs = timed(models, inputs, w.loss, repeat, dev == "cuda")
     finally:
         gc.unfreeze()
+    cpu = {k: statistics.median(v) for k, v in cpu_runs.items()}
+    # memplan against torch round by round (steps run side by side), then the median: what
+    # drifts over the run (load, frequency) cancels out
+    paired = statistics.median(m / t for m, t in zip(cpu_runs["memplan"],
+                                                      cpu_runs["torch checkpoint"]))
     row = {"case": name, "peak_bytes": peaks, "wall_s": wall, "cpu_s": cpu,
-           "predicted_peak_bytes": plan.peak_bytes, "regions": sum(recomputed)}
+           "predicted_peak_bytes": plan.peak_bytes, "regions": sum(recomputed),
+           "cpu_runs_s": cpu_runs, "memplan_over_torch_cpu_paired": paired}
     print(f"| {name} | {cpu['plain'] * 1e3:.2f} ms | "
           f"{cpu['torch checkpoint'] / cpu['plain']:.3f}x | {cpu['memplan'] / cpu['plain']:.3f}x | "
-          f"{cpu['torch, no early stop'] / cpu['plain']:.3f}x | "
+          f"{cpu['torch, no early stop'] / cpu['plain']:.3f}x | {paired:.3f} | "
           f"{wall['torch checkpoint'] / wall['plain']:.3f}x | {wall['memplan'] / wall['plain']:.3f}x | "
           f"{peaks['torch checkpoint'] / 1e6:.2f} / {peaks['memplan'] / 1e6:.2f} |", flush=True)
     return row
@@ -200,8 +207,8 @@ def main() -> None:
     print(f"device {args.device}, torch threads {torch.get_num_threads()}, medians of "
           f"{args.repeat} interleaved steps; load {os.getloadavg()[0]:.2f}")
     print("| model | plain (CPU) | torch ckpt CPU | memplan CPU | torch no early stop CPU "
-          "| torch ckpt wall | memplan wall | peak MB torch / memplan |\n"
-          "|---|---|---|---|---|---|---|---|")
+          "| memplan / torch ckpt CPU, paired | torch ckpt wall | memplan wall "
+          "| peak MB torch / memplan |\n|---|---|---|---|---|---|---|---|---|")
     rows = [run_case(c, args.device, args.repeat) for c in cases]
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"executor_{args.device}.json"), "w") as fh:

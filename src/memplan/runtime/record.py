@@ -206,6 +206,7 @@ class StepState:
             return  # given an object the call may change (a KV cache): its ops go on the tape
         scope = self.scope_for(t)
         e = record_unit(scope, module, path, self.infos(path, module), *got)
+        scope.table.start_unit(e)
         self.recorded_ops += 1
         self.units_run += 1
         self.unit = _Unit(scope, e, path)
@@ -267,9 +268,8 @@ class StepState:
     def pack(self, t: torch.Tensor) -> Any:
         u = self.unit
         if u is not None:
-            row = u.scope.table.add_saved(u.entry, u.count, t)
             u.count += 1
-            return Handle(u.scope, row)
+            return Handle(u.scope, u.scope.table.add_saved(t))
         tmpl = self.template
         top = self.top
         if tmpl is None or top is None or _root(tmpl) is not top.template:
@@ -282,7 +282,7 @@ class StepState:
         scope = self.scopes[tmpl.index]
         while scope.parent is not None and pos[0] < scope.first_entry:
             scope = scope.parent  # made before this nested scope: its parent replays it
-        return Handle(scope, scope.table.add(*pos))
+        return Handle(scope, scope.table.add_value(pos))
 
 
 def _root(t: Template) -> Template:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from memplan.errors import ReplayError
-from memplan.runtime.handles import Handle, HandleTable
+from memplan.runtime.handles import Handle, Save
 from memplan.runtime.tape import (
     DEVICES,
     READ,
@@ -91,9 +91,9 @@ def materialise(scope: Scope) -> None:
     wants = _Wants(scope)
     kept = _replay(scope, wants)
     table = scope.table
-    for row in wants.rows:
-        if not table.saved(row) and table.alive[row]:
-            table.values[row] = kept[(table.entry[row], table.item[row])]
+    for row in wants.value_rows:
+        if table.alive[row]:
+            table.values[row] = kept[table.positions[row]]
     for child in wants.children:
         child.stash = {p: kept[p] for p in child.inputs}
     scope.done = True
@@ -103,19 +103,20 @@ def materialise(scope: Scope) -> None:
 
 
 class _Wants:
-    """What a scope's replay gives back: the live handles' rows (values on the tape, and per
-    unit entry the rows of its saved tensors) and the nested scopes' inputs."""
+    """What a scope's replay gives back: the live handles (values on the tape, and per unit
+    entry its saved tensors) and the nested scopes' inputs."""
 
     def __init__(self, scope: Scope) -> None:
         table = scope.table
-        self.rows = table.live()
-        self.values: dict[Pos, None] = {}
-        self.unit_rows: dict[int, list[int]] = {}
-        for row in self.rows:
-            if table.saved(row):
-                self.unit_rows.setdefault(table.entry[row], []).append(row)
-            else:
-                self.values[(table.entry[row], table.item[row])] = None
+        self.value_rows = [row for row in table.positions if table.alive[row]]
+        self.values: dict[Pos, None] = {table.positions[row]: None for row in self.value_rows}
+        self.unit_saves: dict[int, list[Save]] = {}
+        for i, (e, _, _, _) in enumerate(table.units):
+            entry = scope.tape.entries[e]
+            assert isinstance(entry, UnitEntry)
+            live = list(table.saves(i, entry.n_saved))
+            if live:
+                self.unit_saves[e] = live
         self.children = [c for c in (r() for r in scope.children) if c is not None]
         for child in self.children:
             self.values.update(child.inputs)
@@ -127,9 +128,9 @@ def _replay(scope: Scope, wants: _Wants) -> dict[Pos, torch.Tensor]:
     tape = scope.tape
     grad = torch.is_grad_enabled()
     drop = scope.template.kind == "drop-cheap" and not grad
-    want, unit_rows, table = wants.values, wants.unit_rows, scope.table
+    want, unit_saves, table = wants.values, wants.unit_saves, scope.table
     run, stop_unit = _entries_to_run(tape, scope.first_entry, scope.last_entry, want,
-                                     unit_rows, drop)
+                                     unit_saves, drop)
     last_use: dict[Pos, int] = {}
     for e in run:
         for p in tape.entries[e].refs:
@@ -148,13 +149,12 @@ def _replay(scope: Scope, wants: _Wants) -> dict[Pos, torch.Tensor]:
                     outs = tensors(entry.func(*args, **kwargs))
                     del args, kwargs  # inputs at their last use die now, not in a next unit
                 else:
-                    rows = unit_rows.get(e)
-                    outs, saved = _run_unit(entry, env, tape, rows is not None, grad,
+                    saves = unit_saves.get(e)
+                    outs, saved = _run_unit(entry, env, tape, saves is not None, grad,
                                             e == stop_unit)
-                    for row in rows or ():
+                    for row, k, shape, dtype in saves or ():
                         if table.alive[row]:
-                            table.values[row] = _checked(entry, table, row,
-                                                         saved[table.item[row]])
+                            table.values[row] = _checked(entry, shape, dtype, saved[k])
                     del saved
                 _keep(outs, e, want, kept, last_use, env)
                 del outs  # dead outputs die now, not during the next entry
@@ -167,7 +167,7 @@ def _replay(scope: Scope, wants: _Wants) -> dict[Pos, torch.Tensor]:
 
 
 def _entries_to_run(tape: Tape, first: int, last: int, want: dict[Pos, None],
-                    unit_rows: dict[int, list[int]], drop: bool) -> tuple[list[int], int]:
+                    unit_saves: dict[int, list[Save]], drop: bool) -> tuple[list[int], int]:
     """The entries a replay runs, and the unit (-1: none) that stops at its last save.
 
     Like torch's non-reentrant checkpoint, a replay stops once it has everything it gives
@@ -182,7 +182,7 @@ def _entries_to_run(tape: Tape, first: int, last: int, want: dict[Pos, None],
         b = _base(tape, p[0], first, drop)
         bases.add(b)
         end = max(end, b)
-    for e in unit_rows:
+    for e in unit_saves:
         end = max(end, e)
     views: set[int] = set()
     for p in want:
@@ -199,7 +199,7 @@ def _entries_to_run(tape: Tape, first: int, last: int, want: dict[Pos, None],
     run = [e for e in range(first, end + 1) if not (drop and tape.entries[e].expensive)]
     run += sorted(views)
     stop = end if end >= first and isinstance(tape.entries[end], UnitEntry) \
-        and end in unit_rows and end not in bases else -1
+        and end in unit_saves and end not in bases else -1
     return run, stop
 
 
@@ -325,10 +325,9 @@ def _run_unit(entry: UnitEntry, env: dict[Pos, torch.Tensor], tape: Tape, collec
     return outs, saved
 
 
-def _checked(entry: UnitEntry, table: HandleTable, row: int, value: torch.Tensor
-             ) -> torch.Tensor:
+def _checked(entry: UnitEntry, shape: tuple[int, ...], dtype: torch.dtype,
+             value: torch.Tensor) -> torch.Tensor:
     """A unit's saved tensor, as its forward saved it (shape and dtype)."""
-    shape, dtype = table.meta(row)
     if value.shape != shape or value.dtype != dtype:
         raise _differs(entry, f"saved a {_meta(value.shape, value.dtype)} tensor for backward "
                        f"where its forward saved a {_meta(shape, dtype)} one")
