@@ -9,6 +9,15 @@ boundaries; their peaks are measured and printed beside the times. Times: proces
 column runs torch's checkpoint with early stop off, replaying whole units (memplan's replays
 stop early, as torch's do by default).
 
+Repeatable rows: capture leaves ~400k objects tracked by Python's garbage collector in this
+process, so a full collection (~0.2 s) would land on whichever variant's step crosses the
+threshold. After each case's set-up the objects alive are collected and frozen
+(``gc.collect(); gc.freeze()``: a collection then walks only what the steps make), and each
+round runs the variants in a rotated order, so none always follows the same one (the
+allocator's state, the young generation's count). The "paired" column is the median over
+rounds of memplan's step CPU time over torch checkpoint's in the same round: load that drifts
+over a run cancels out of it.
+
     .venv/bin/python benchmarks/executor_overhead.py [--device cpu|cuda] [--repeat 15]
         [--only gpt|lstm] [--out DIR]
 """
@@ -17,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
 import statistics
@@ -46,17 +56,20 @@ LSTM_FIXED = {"batch": 16, "hidden": 256, "input": 50, "classes": 500}
 def unit_plan(w: Workload, graph: memplan.Graph, unit_ends: list[int],
               recomputed: list[bool]) -> memplan.Plan:
     """The plan whose regions are the given units: a stage belongs to the first unit whose
-    call ends at or after the stage's last op (``unit_ends``: op counts at the end of each
-    unit's call); units with ``recomputed[k]`` False, and stages after the last unit (the
-    loss), are kept."""
+    call ends after the stage's first op (``unit_ends``: op counts at the end of each unit's
+    call); units with ``recomputed[k]`` False, and stages after the last unit (the loss),
+    are kept. The LSTM's stages end mid-step (its chain has no cut point at a step's end):
+    a stage across a segment's end goes to the segment's region, so memplan recomputes up
+    to a stage more than torch's segment and keeps no more (by the stage's last op, it
+    recomputed less and its peak was 0.03-0.3 MB above torch's)."""
     chain = C.build_chain(graph)
     assert graph.forward is not None
     n_model = graph.forward.ops
 
     def unit(s: int) -> int:
-        end = int(chain.last[s]) + 1
+        start = int(chain.last[s - 1]) + 1 if s else 0
         for k, e in enumerate(unit_ends):
-            if end <= e:
+            if start < e:
                 return k
         return len(unit_ends)
 
@@ -117,12 +130,16 @@ class NoEarlyStop(nn.Module):
 
 
 def timed(models: dict[str, nn.Module], inputs: tuple[Any, ...], loss: Any, repeat: int,
-          cuda: bool) -> tuple[dict[str, float], dict[str, float]]:
-    """Median wall and process-CPU time of a step, runs interleaved round-robin."""
+          cuda: bool) -> tuple[dict[str, float], dict[str, list[float]]]:
+    """Median wall time of a step, and the process-CPU time of each timed round's step, runs
+    interleaved round-robin, the order rotated by one variant each round."""
     wall: dict[str, list[float]] = {k: [] for k in models}
     cpu: dict[str, list[float]] = {k: [] for k in models}
+    names = list(models)
     for i in range(repeat + 2):  # two warm-up rounds
-        for name, model in models.items():
+        for j in range(len(names)):
+            name = names[(i + j) % len(names)]
+            model = models[name]
             for p in model.parameters():
                 p.grad = None
             if cuda:
@@ -135,8 +152,7 @@ def timed(models: dict[str, nn.Module], inputs: tuple[Any, ...], loss: Any, repe
             if i >= 2:
                 wall[name].append(w1 - w0)
                 cpu[name].append(c1 - c0)
-    return ({k: statistics.median(v) for k, v in wall.items()},
-            {k: statistics.median(v) for k, v in cpu.items()})
+    return {k: statistics.median(v) for k, v in wall.items()}, cpu
 
 
 def run_case(case: tuple[str, Workload, Workload, list[int], list[bool]], dev: str,
@@ -151,19 +167,31 @@ def run_case(case: tuple[str, Workload, Workload, list[int], list[bool]], dev: s
                   "torch, no early stop": NoEarlyStop(peer.build_model())}
     peaks = {k: memplan.measure(m, *inputs, loss_fn=w.loss, simulate=False, device=dev,
                                 repeat=1).peak_bytes for k, m in models.items()}
-    wall, cpu = timed(models, inputs, w.loss, repeat, dev == "cuda")
+    gc.collect()
+    gc.freeze()  # what set-up left is never walked again (see the module docstring)
+    try:
+        wall, cpu_runs = timed(models, inputs, w.loss, repeat, dev == "cuda")
+    finally:
+        gc.unfreeze()
+    cpu = {k: statistics.median(v) for k, v in cpu_runs.items()}
+    # memplan against torch round by round (steps run side by side), then the median: what
+    # drifts over the run (load, frequency) cancels out
+    paired = statistics.median(m / t for m, t in zip(cpu_runs["memplan"],
+                                                      cpu_runs["torch checkpoint"]))
     row = {"case": name, "peak_bytes": peaks, "wall_s": wall, "cpu_s": cpu,
-           "predicted_peak_bytes": plan.peak_bytes, "regions": sum(recomputed)}
+           "predicted_peak_bytes": plan.peak_bytes, "regions": sum(recomputed),
+           "cpu_runs_s": cpu_runs, "memplan_over_torch_cpu_paired": paired}
     print(f"| {name} | {cpu['plain'] * 1e3:.2f} ms | "
           f"{cpu['torch checkpoint'] / cpu['plain']:.3f}x | {cpu['memplan'] / cpu['plain']:.3f}x | "
-          f"{cpu['torch, no early stop'] / cpu['plain']:.3f}x | "
+          f"{cpu['torch, no early stop'] / cpu['plain']:.3f}x | {paired:.3f} | "
           f"{wall['torch checkpoint'] / wall['plain']:.3f}x | {wall['memplan'] / wall['plain']:.3f}x | "
           f"{peaks['torch checkpoint'] / 1e6:.2f} / {peaks['memplan'] / 1e6:.2f} |", flush=True)
     return row
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--repeat", type=int, default=15)
     ap.add_argument("--threads", type=int, default=1)
@@ -179,8 +207,8 @@ def main() -> None:
     print(f"device {args.device}, torch threads {torch.get_num_threads()}, medians of "
           f"{args.repeat} interleaved steps; load {os.getloadavg()[0]:.2f}")
     print("| model | plain (CPU) | torch ckpt CPU | memplan CPU | torch no early stop CPU "
-          "| torch ckpt wall | memplan wall | peak MB torch / memplan |\n"
-          "|---|---|---|---|---|---|---|---|")
+          "| memplan / torch ckpt CPU, paired | torch ckpt wall | memplan wall "
+          "| peak MB torch / memplan |\n|---|---|---|---|---|---|---|---|---|")
     rows = [run_case(c, args.device, args.repeat) for c in cases]
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"executor_{args.device}.json"), "w") as fh:

@@ -83,6 +83,36 @@ def test_a_parameter_changed_before_backward_is_named() -> None:
         loss.backward()  # type: ignore[no-untyped-call]
 
 
+class Narrow(nn.Module):
+    """A block whose tanh saves an output ``keep`` columns wide: a call re-run with another
+    ``keep`` saves as many tensors, one of another shape."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d, 2 * d)
+        self.keep = 2 * d
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.fc1(x)[:, :self.keep])
+        out: torch.Tensor = x * h.sum(1, keepdim=True)
+        return out
+
+
+def test_a_call_that_saves_another_shape_is_an_error() -> None:
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
+    blocks = [Narrow(16) for _ in range(4)]
+    model = nn.Sequential(*blocks, nn.Linear(16, 2))
+    memplan.apply(model, memplan.plan(model, x, loss_fn=_loss, planner="sqrt"))
+    state = applied_state(model)
+    assert state is not None and state.layout.units
+    loss = _loss(model(x))
+    for b in blocks:
+        b.keep = 8
+    with pytest.raises(memplan.MemplanError, match=r"saved a \[8, 8\] float32 tensor for "
+                       r"backward where its forward saved a \[8, 32\] float32 one"):
+        loss.backward()  # type: ignore[no-untyped-call]
+
+
 # --- the choice, on made-up lifetimes -----------------------------------------------------------
 
 

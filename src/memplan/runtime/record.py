@@ -42,10 +42,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memplan.runtime.entries import record_op, record_unit, unit_arguments
+from memplan.runtime.handles import Handle
 from memplan.runtime.layout import Layout, Template
 from memplan.runtime.replay import unpack
 from memplan.runtime.tape import (
-    Handle,
     Namer,
     Scope,
     Tape,
@@ -206,6 +206,7 @@ class StepState:
             return  # given an object the call may change (a KV cache): its ops go on the tape
         scope = self.scope_for(t)
         e = record_unit(scope, module, path, self.infos(path, module), *got)
+        scope.table.start_unit(e)
         self.recorded_ops += 1
         self.units_run += 1
         self.unit = _Unit(scope, e, path)
@@ -267,10 +268,8 @@ class StepState:
     def pack(self, t: torch.Tensor) -> Any:
         u = self.unit
         if u is not None:
-            h = Handle(u.scope, (u.entry, u.count), (t.shape, t.dtype))
             u.count += 1
-            u.scope.handles.append(weakref.ref(h))
-            return h
+            return Handle(u.scope, u.scope.table.add_saved(t))
         tmpl = self.template
         top = self.top
         if tmpl is None or top is None or _root(tmpl) is not top.template:
@@ -283,9 +282,7 @@ class StepState:
         scope = self.scopes[tmpl.index]
         while scope.parent is not None and pos[0] < scope.first_entry:
             scope = scope.parent  # made before this nested scope: its parent replays it
-        h = Handle(scope, pos)
-        scope.handles.append(weakref.ref(h))
-        return h
+        return Handle(scope, scope.table.add_value(pos))
 
 
 def _root(t: Template) -> Template:

@@ -15,11 +15,11 @@ from typing import Any
 import torch
 
 from memplan.errors import ReplayError
+from memplan.runtime.handles import Handle, Save
 from memplan.runtime.tape import (
     DEVICES,
     READ,
     Ext,
-    Handle,
     OpEntry,
     Pos,
     Ref,
@@ -39,14 +39,17 @@ from memplan.runtime.tape import (
 def unpack(obj: Any) -> torch.Tensor:
     if not isinstance(obj, Handle):
         return obj  # type: ignore[no-any-return]
-    if obj.value is None:
+    values = obj.owner.table.values
+    value = values[obj.row]
+    if value is None:
         materialise(obj.owner)
-        if obj.value is None:
+        value = values[obj.row]
+        if value is None:
             raise ReplayError(
                 "memplan: a recomputed tensor was requested after its scope was released "
                 "(backward through the same graph twice without retain_graph=True?)."
             )
-    return obj.value
+    return value
 
 
 # --- replay ------------------------------------------------------------------------------------
@@ -87,9 +90,10 @@ def materialise(scope: Scope) -> None:
             raise ReplayError("memplan: internal error: nested scope has no inputs")
     wants = _Wants(scope)
     kept = _replay(scope, wants)
-    for h in wants.handles:
-        if not h.saved:
-            h.value = kept[h.pos]
+    table = scope.table
+    for row in wants.value_rows:
+        if table.alive[row]:
+            table.values[row] = kept[table.positions[row]]
     for child in wants.children:
         child.stash = {p: kept[p] for p in child.inputs}
     scope.done = True
@@ -100,17 +104,19 @@ def materialise(scope: Scope) -> None:
 
 class _Wants:
     """What a scope's replay gives back: the live handles (values on the tape, and per unit
-    entry the handles of its saved tensors) and the nested scopes' inputs."""
+    entry its saved tensors) and the nested scopes' inputs."""
 
     def __init__(self, scope: Scope) -> None:
-        self.handles = [h for h in (r() for r in scope.handles) if h is not None]
-        self.values: dict[Pos, None] = {}
-        self.unit_handles: dict[int, list[Handle]] = {}
-        for h in self.handles:
-            if h.saved:
-                self.unit_handles.setdefault(h.pos[0], []).append(h)
-            else:
-                self.values[h.pos] = None
+        table = scope.table
+        self.value_rows = [row for row in table.positions if table.alive[row]]
+        self.values: dict[Pos, None] = {table.positions[row]: None for row in self.value_rows}
+        self.unit_saves: dict[int, list[Save]] = {}
+        for i, (e, _, _, _) in enumerate(table.units):
+            entry = scope.tape.entries[e]
+            assert isinstance(entry, UnitEntry)
+            live = list(table.saves(i, entry.n_saved))
+            if live:
+                self.unit_saves[e] = live
         self.children = [c for c in (r() for r in scope.children) if c is not None]
         for child in self.children:
             self.values.update(child.inputs)
@@ -122,9 +128,9 @@ def _replay(scope: Scope, wants: _Wants) -> dict[Pos, torch.Tensor]:
     tape = scope.tape
     grad = torch.is_grad_enabled()
     drop = scope.template.kind == "drop-cheap" and not grad
-    want, unit_handles = wants.values, wants.unit_handles
+    want, unit_saves, table = wants.values, wants.unit_saves, scope.table
     run, stop_unit = _entries_to_run(tape, scope.first_entry, scope.last_entry, want,
-                                     unit_handles, drop)
+                                     unit_saves, drop)
     last_use: dict[Pos, int] = {}
     for e in run:
         for p in tape.entries[e].refs:
@@ -143,11 +149,12 @@ def _replay(scope: Scope, wants: _Wants) -> dict[Pos, torch.Tensor]:
                     outs = tensors(entry.func(*args, **kwargs))
                     del args, kwargs  # inputs at their last use die now, not in a next unit
                 else:
-                    hs = unit_handles.get(e)
-                    outs, saved = _run_unit(entry, env, tape, hs is not None, grad,
+                    saves = unit_saves.get(e)
+                    outs, saved = _run_unit(entry, env, tape, saves is not None, grad,
                                             e == stop_unit)
-                    for h in hs or ():
-                        h.value = _checked(entry, h, saved[h.pos[1]])
+                    for row, k, shape, dtype in saves or ():
+                        if table.alive[row]:
+                            table.values[row] = _checked(entry, shape, dtype, saved[k])
                     del saved
                 _keep(outs, e, want, kept, last_use, env)
                 del outs  # dead outputs die now, not during the next entry
@@ -160,7 +167,7 @@ def _replay(scope: Scope, wants: _Wants) -> dict[Pos, torch.Tensor]:
 
 
 def _entries_to_run(tape: Tape, first: int, last: int, want: dict[Pos, None],
-                    unit_handles: dict[int, list[Handle]], drop: bool) -> tuple[list[int], int]:
+                    unit_saves: dict[int, list[Save]], drop: bool) -> tuple[list[int], int]:
     """The entries a replay runs, and the unit (-1: none) that stops at its last save.
 
     Like torch's non-reentrant checkpoint, a replay stops once it has everything it gives
@@ -175,7 +182,7 @@ def _entries_to_run(tape: Tape, first: int, last: int, want: dict[Pos, None],
         b = _base(tape, p[0], first, drop)
         bases.add(b)
         end = max(end, b)
-    for e in unit_handles:
+    for e in unit_saves:
         end = max(end, e)
     views: set[int] = set()
     for p in want:
@@ -192,7 +199,7 @@ def _entries_to_run(tape: Tape, first: int, last: int, want: dict[Pos, None],
     run = [e for e in range(first, end + 1) if not (drop and tape.entries[e].expensive)]
     run += sorted(views)
     stop = end if end >= first and isinstance(tape.entries[end], UnitEntry) \
-        and end in unit_handles and end not in bases else -1
+        and end in unit_saves and end not in bases else -1
     return run, stop
 
 
@@ -318,11 +325,12 @@ def _run_unit(entry: UnitEntry, env: dict[Pos, torch.Tensor], tape: Tape, collec
     return outs, saved
 
 
-def _checked(entry: UnitEntry, h: Handle, value: torch.Tensor) -> torch.Tensor:
+def _checked(entry: UnitEntry, shape: tuple[int, ...], dtype: torch.dtype,
+             value: torch.Tensor) -> torch.Tensor:
     """A unit's saved tensor, as its forward saved it (shape and dtype)."""
-    if h.meta is not None and (value.shape, value.dtype) != h.meta:
+    if value.shape != shape or value.dtype != dtype:
         raise _differs(entry, f"saved a {_meta(value.shape, value.dtype)} tensor for backward "
-                       f"where its forward saved a {_meta(*h.meta)} one")
+                       f"where its forward saved a {_meta(shape, dtype)} one")
     return value
 
 
@@ -335,7 +343,7 @@ def _differs(entry: UnitEntry, got: str) -> ReplayError:
     )
 
 
-def _meta(shape: torch.Size, dtype: torch.dtype) -> str:
+def _meta(shape: tuple[int, ...], dtype: torch.dtype) -> str:
     return f"{list(shape)} {str(dtype).removeprefix('torch.')}"
 
 

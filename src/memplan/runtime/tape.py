@@ -1,5 +1,5 @@
 """One planned forward's tape: what a recompute scope records (aten ops, and units: whole
-module calls), the handles autograd keeps instead of the scope's tensors, and the scopes.
+module calls), and the scopes (their handles: ``runtime.handles``).
 Also how module-call arguments and aten op arguments are flattened, and which arguments an
 op writes."""
 
@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import SUPPORTED_NODES, tree_flatten, tree_unflatten
 
+from memplan.runtime.handles import HandleTable
 from memplan.runtime.layout import Template
 
 Pos = tuple[int, int]  # (tape entry, output index); for a unit's saved tensors (entry, k-th save)
@@ -109,25 +110,6 @@ class UnitEntry:
         return False
 
 
-class Handle:
-    """What autograd keeps for a tensor of a recomputed scope: ``pos`` on the tape, or for a
-    unit's saved tensor (entry, k) with ``meta`` (its shape and dtype, which the call's
-    replay must give again)."""
-
-    __slots__ = ("__weakref__", "meta", "owner", "pos", "value")
-
-    def __init__(self, owner: Scope, pos: Pos,
-                 meta: tuple[torch.Size, torch.dtype] | None = None) -> None:
-        self.owner = owner
-        self.pos = pos
-        self.meta = meta
-        self.value: torch.Tensor | None = None
-
-    @property
-    def saved(self) -> bool:
-        return self.meta is not None
-
-
 @dataclass(eq=False)
 class Scope:
     """A template's instance in one forward: a slice of its top-level scope's tape."""
@@ -140,7 +122,7 @@ class Scope:
     last_entry: int = -1
     inputs: dict[Pos, None] = field(default_factory=dict)  # tape values from before it
     stash: dict[Pos, torch.Tensor] | None = None  # their values, given by the parent's replay
-    handles: list[weakref.ref[Handle]] = field(default_factory=list)
+    table: HandleTable = field(default_factory=HandleTable)  # its handles
     # Weak: a nested scope lives while autograd holds one of its handles (or a nested scope
     # of its own does); a strong link back would make a cycle that outlives the step.
     children: list[weakref.ref[Scope]] = field(default_factory=list)
