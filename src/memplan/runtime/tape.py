@@ -16,7 +16,7 @@ from torch.utils._pytree import SUPPORTED_NODES, tree_flatten, tree_unflatten
 from memplan.runtime.handles import HandleTable
 from memplan.runtime.layout import Template
 
-Pos = tuple[int, int]  # (tape entry, output index); for a unit's saved tensors (entry, k-th save)
+Pos = tuple[int, int]  # (tape entry, output index); a unit's saves are table rows (runtime.handles)
 
 
 @dataclass(frozen=True)
