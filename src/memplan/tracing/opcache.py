@@ -28,7 +28,6 @@ from torch._subclasses.fake_tensor import (
     _DispatchCacheEntryOutputInfo,
     _DispatchCacheValidEntry,
 )
-from torch.utils._python_dispatch import TorchDispatchMode
 
 _SEEN = object()  # seen once: the next call looks up the entry
 _NEVER = object()  # this key takes the normal path
@@ -199,25 +198,6 @@ class FakeOpCache:
             else:
                 return False
         return True
-
-
-class CachedOps(TorchDispatchMode):  # type: ignore[no-untyped-call]
-    """Every op through ``cache`` (e.g. building a model on fake tensors: the same few init
-    ops, once per layer)."""
-
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        return False  # never compiled: spare every op torch's dynamo-disable wrapper
-
-    def __init__(self, cache: FakeOpCache) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
-        self.cache = cache
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
-                           kwargs: dict[str, Any] | None = None) -> Any:
-        if func.namespace == "prim":
-            return func(*args, **(kwargs or {}))
-        return self.cache.call(func, args, kwargs or {})
 
 
 def _recipe(info: _DispatchCacheEntryOutputInfo, is_view: bool) -> tuple[Any, ...]:
