@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from memplan.core import chain as C
@@ -155,6 +155,33 @@ def test_pruning_and_sharing_keep_the_optimum(c: C.Chain, budget: int) -> None:
     free = budget - c.base_bytes
     cost, _ = O.solve(c, free)
     assert cost == full_program(c, free, share=True) == full_program(c, free, share=False)
+
+
+def unit_chain(x: list[int]) -> C.Chain:
+    """Stages of one FLOP each, kept bytes x (caps one unit too tight show here)."""
+    k, one, zero = len(x), np.ones(len(x), dtype=np.int64), np.zeros(len(x), dtype=np.int64)
+    xs = np.array(x, dtype=np.int64)
+    return C.Chain("fp", np.arange(k), np.arange(k), ("m",) * k, one, one, xs, xs, zero, xs,
+                   xs, zero, zero, zero, zero, zero, 3, 100)
+
+
+@settings(max_examples=120, deadline=None)
+@given(st.one_of(chains(), repeating_chains(max_k=14)), st.integers(0, 120), st.booleans())
+@example(unit_chain([1, 2, 6, 9]), 19, True)
+def test_pruned_search_returns_the_unpruned_schedule(c: C.Chain, budget: int, dc: bool
+                                                     ) -> None:
+    """The search's cost caps (planners.bounds) drop only what no plan within them uses, so
+    ties break as without them: the schedule read back, not just its cost, equals the one of
+    the program without caps."""
+    free = budget - c.base_bytes
+    shape = O._Shape.of(O.stage_table(c), dc)
+    pruned = O.search(shape, free)
+    full = shape.fill(free, None) if free >= 0 else None
+    if pruned is None or full is None:
+        assert pruned is None and (full is None or full.point(0, c.n - 1, 0, free) is None)
+        return
+    assert full.point(0, c.n - 1, 0, free) == pruned.point(0, c.n - 1, 0, free)
+    assert full.schedule(0, c.n - 1, 0, free) == pruned.schedule(0, c.n - 1, 0, free)
 
 
 @settings(max_examples=60, deadline=None)
