@@ -23,7 +23,7 @@ import numpy.typing as npt
 
 from memplan.core import graph as g
 from memplan.core.checkpoints import stage_bytes
-from memplan.core.graph_arrays import GraphArrays, flat, graph_arrays
+from memplan.core.graph_arrays import GraphArrays, graph_arrays
 from memplan.core.scope_bytes import scope_bytes
 from memplan.core.stages import Stages, exact_sum, stages
 
@@ -170,7 +170,7 @@ def build_chain(graph: g.Graph, cuts: list[int] | None = None) -> Chain:
     tf, tf0, tfr, tfr0, tfs = _forward_transients(ga, st, held, res)
     fstop = _stop_flops(graph, ga, st)
     _, b_end, has = _segments(ga, st)
-    sb = scope_bytes(graph, ga, st, cut_idx, np.where(has, ga.n_ops + b_end - 1, -1))
+    sb = scope_bytes(ga, st, cut_idx, np.where(has, ga.n_ops + b_end - 1, -1))
     tb, gb, tape_read = _backward_transients(ga, st, xbar, d, sb.tape_ext)
     # A replay copies the outside tensors an op writes while the op runs (``scope_bytes``).
     tfr, tfr0, tfs = tfr + sb.tape_copy, tfr0 + sb.tape_copy, tfs + sb.tape_copy
@@ -199,12 +199,12 @@ def _stop_flops(graph: g.Graph, ga: GraphArrays, st: Stages) -> I64:
     makes an activation an op up to there saves or writes one saved in place (a region
     whose replay would stop before its first op is never replayed: the planner clamps)."""
     made = np.full(ga.n_ops, -1, dtype=np.int64)
-    op_i, vid = flat(graph.ops, "saved")
+    op_i, vid = ga.save_op, ga.save_vid
     mine = ga.activation[vid] & (ga.producer[vid] >= 0)
     np.maximum.at(made, op_i[mine], ga.producer[vid[mine]])
     saved_any = np.zeros(len(graph.values), dtype=np.bool_)
     saved_any[vid] = True
-    op_m, vid_m = flat(graph.ops, "mutated")
+    op_m, vid_m = ga.mut_op, ga.mut_vid
     writes = ga.activation[vid_m] & saved_any[vid_m]
     made[op_m[writes]] = op_m[writes]
     stop = np.maximum.accumulate(made) if ga.n_ops else made

@@ -29,9 +29,8 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from memplan.core import graph as g
 from memplan.core.checkpoints import cut_sets
-from memplan.core.graph_arrays import NO_DEATH, GraphArrays, flat
+from memplan.core.graph_arrays import NO_DEATH, GraphArrays
 from memplan.core.stages import Stages, exact_sum
 
 I64 = npt.NDArray[np.int64]
@@ -47,22 +46,17 @@ class ScopeBytes:
     tape_ext: I64  # per event: bytes the tapes keep beyond autograd (``tape_read``)
 
 
-def scope_bytes(graph: g.Graph, ga: GraphArrays, st: Stages, cut_idx: I64,
-                seg_end: I64) -> ScopeBytes:
+def scope_bytes(ga: GraphArrays, st: Stages, cut_idx: I64, seg_end: I64) -> ScopeBytes:
     """The per-stage bytes above; ``seg_end``: per stage, the last event of its backward
     segment (-1 when it has none)."""
     k, nv, n_ops, in_stage = st.k, len(ga.nbytes), ga.n_ops, st.stage_of_op
-    op_in, vid_in = flat(graph.ops, "inputs")
-    op_m, vid_m = flat(graph.ops, "mutated")
+    op_in, vid_in, op_m, vid_m = ga.in_op, ga.in_vid, ga.mut_op, ga.mut_vid
     # Copies (``scopes.PlanScopes.tape_reads``): values an op reads and writes, made outside
     # its stage; a batch norm's buffers never (it writes its running statistics only).
     read_written = np.isin(op_m * nv + vid_m, op_in * nv + vid_in) & (op_m < st.span)
-    kinds = np.array([v.kind for v in graph.values])
-    state = np.isin(kinds[vid_m], (g.PARAMETER, g.BUFFER))
-    bn = np.array(["batch_norm" in op.target for op in graph.ops], dtype=np.bool_)
     made_here = (ga.producer[vid_m] >= 0) & (
         in_stage[np.maximum(ga.producer[vid_m], 0)] == in_stage[op_m])
-    copied = read_written & ~(state & bn[op_m]) & ~made_here
+    copied = read_written & ~(ga.state[vid_m] & ga.batch_norm[op_m]) & ~made_here
     tape_copy = exact_sum(in_stage[op_m], ga.nbytes[vid_m], copied, k)
     # Resident values made before a stage, read by it, dying in the forward, that the chain
     # counts as never dying (shared ones): the others count in the checkpoints of the cuts
@@ -74,7 +68,7 @@ def scope_bytes(graph: g.Graph, ga: GraphArrays, st: Stages, cut_idx: I64,
     keys = np.unique(in_stage[op_in[kept]] * nv + vid_in[kept])
     tape_kept = exact_sum(keys // nv, ga.nbytes[keys % nv], np.ones(len(keys), np.bool_), k)
     # Saves: (op, value) pairs within the stages.
-    op_s, vid_s = flat(graph.ops, "saved")
+    op_s, vid_s = ga.save_op, ga.save_vid
     act = ga.activation[vid_s] & (ga.producer[vid_s] >= 0) & (op_s < st.span)
     prod_stage = in_stage[np.maximum(ga.producer[vid_s], 0)]
     own = act & (prod_stage == in_stage[op_s])
