@@ -16,7 +16,7 @@ from memplan.core import graph as g
 from memplan.core import schedule as S
 from memplan.core.evaluate import evaluate
 from memplan.core.plan import make_plan
-from tests.core.graphs import tiny
+from tests.core.graphs import NAMES, tiny
 
 
 def _regions(chain: C.Chain, length: int, nested: bool) -> tuple[S.Item, ...]:
@@ -155,13 +155,9 @@ def _items(draw: st.DrawFn, s: int, t: int, top: bool, depth: int = 0) -> tuple[
     return tuple(items)
 
 
-# The stored graphs whose every schedule brute force enumerates (<= 9 stages).
-SMALL = ("calibration", "lstm", "gpt")
-
-
 @st.composite
 def _plans(draw: st.DrawFn) -> tuple[str, tuple[S.Item, ...]]:
-    name = draw(st.sampled_from(SMALL))
+    name = draw(st.sampled_from(NAMES))
     chain, inside = _model_chain(name)
     # Scopes end before the model's last stage (a region never ends its sequence; the
     # stages after the model, the loss, run outside it and are kept).
@@ -173,11 +169,11 @@ def _plans(draw: st.DrawFn) -> tuple[str, tuple[S.Item, ...]]:
 @given(_plans())
 def test_the_chain_never_predicts_below_the_evaluation(case: tuple[str, tuple[S.Item, ...]]
                                                        ) -> None:
-    """Any schedule of the small stored graphs: the chain's peak (what planners optimise) is
+    """Any schedule of the stored graphs: the chain's peak (what planners optimise) is
     at least the runtime's (``evaluate``): tape copies, values a replay makes beside the
     originals the user still holds, a drop-cheap tape's held outputs, what a region's tape
-    keeps, and the replay loop's hold on each output until the next op are all counted
-    (``memplan.core.scope_bytes``). (Main: 1,559 of calibration's 1,560 schedules below.)"""
+    keeps, the replay loop's hold on each output until the next op, and the gradients when a
+    region replays (``Chain.gu``) are all counted (``memplan.core.scope_bytes``). (Main: 1,559 of calibration's 1,560 schedules below.)"""
     name, schedule = case
     graph, (chain, _) = tiny(name), _model_chain(name)
     plan = make_plan(chain, schedule, "test", {}, None)

@@ -34,7 +34,7 @@ def schedules(s: int, t: int, top: bool) -> Iterator[tuple[S.Item, ...]]:
                 yield (S.Region(s, e, body),) + rest
 
 
-SCOPE_FIELDS = ("tape_held", "held_twice", "tape_read", "sac_extra", "sac_b_extra")
+SCOPE_FIELDS = ("tape_held", "held_twice", "tape_read", "sac_extra", "sac_b_extra", "gu")
 
 
 @st.composite
@@ -57,8 +57,8 @@ def chains(draw: st.DrawFn, size: int | None = None, scopes: bool = False) -> C.
                    tfr0=np.minimum(tf0, ints(0, 10)) if replay else None,
                    tfs=np.minimum(tf, ints(0, 15)) if replay else None,
                    xh=ints(0, 6) if draw(st.booleans()) else None,
-                   **{n: ints(0, 4) if scopes and draw(st.booleans()) else None
-                      for n in SCOPE_FIELDS})
+                   **{n: ints(0, 4 if n != "gu" else 12) if scopes and draw(st.booleans())
+                      else None for n in SCOPE_FIELDS})
 
 
 @st.composite

@@ -23,7 +23,7 @@ import numpy.typing as npt
 
 from memplan.core import graph as g
 from memplan.core.checkpoints import stage_bytes
-from memplan.core.graph_arrays import GraphArrays, graph_arrays
+from memplan.core.graph_arrays import GraphArrays, graph_arrays, ints
 from memplan.core.scope_bytes import scope_bytes
 from memplan.core.stages import Stages, exact_sum, stages
 
@@ -80,6 +80,10 @@ class Chain:
     tape_held: I64 | None = None
     held_twice: I64 | None = None
     tape_read: I64 | None = None
+    # Gradient-side bytes when a region ending at the stage replays (None: gb + d, its
+    # backward's start): the replay waits for backward's first read of a value it saved,
+    # which autograd may record at the event before the stage's backward segment.
+    gu: I64 | None = None
     sac_extra: I64 | None = None
     sac_b_extra: I64 | None = None
 
@@ -128,6 +132,10 @@ class Chain:
         return tape, tape + twice + int(self.tape_read_bytes[s])
 
     @property
+    def replay_gradient(self) -> I64:
+        return self.gb + self.d if self.gu is None else self.gu
+
+    @property
     def tape_bytes(self) -> I64:
         return self._z(self.tape_held)
 
@@ -172,6 +180,7 @@ def build_chain(graph: g.Graph, cuts: list[int] | None = None) -> Chain:
     _, b_end, has = _segments(ga, st)
     sb = scope_bytes(ga, st, cut_idx, np.where(has, ga.n_ops + b_end - 1, -1))
     tb, gb, tape_read = _backward_transients(ga, st, xbar, d, sb.tape_ext)
+    gu = _replay_gradients(graph, ga, st, xbar, d, gb)
     # A replay copies the outside tensors an op writes while the op runs (``scope_bytes``).
     tfr, tfr0, tfs = tfr + sb.tape_copy, tfr0 + sb.tape_copy, tfs + sb.tape_copy
     # Stages wholly after the model's forward (the loss) run outside the model, where the
@@ -189,7 +198,7 @@ def build_chain(graph: g.Graph, cuts: list[int] | None = None) -> Chain:
         base_bytes=ga.base_bytes, step_flops=ga.step_flops, cheap_ops=cheap, tfr=tfr,
         tfr0=tfr0, tfs=tfs, kinds=tuple(graph.cut_points[int(i)].kind for i in cut_idx), xh=xh,
         fstop=fstop, tape_held=sb.tape_copy + sb.tape_kept, held_twice=sb.held_twice,
-        tape_read=tape_read, sac_extra=sb.tape_copy + sb.tape_kept + sb.dc_held,
+        tape_read=tape_read, gu=gu, sac_extra=sb.tape_copy + sb.tape_kept + sb.dc_held,
         sac_b_extra=2 * sb.tape_copy + sb.tape_kept + sb.held_twice_cheap,
     )
 
@@ -313,6 +322,41 @@ def _backward_transients(ga: GraphArrays, st: Stages, xbar: I64, d: I64, tape_ex
             out[has] = out_has - lb_pre[has]
     resident = np.cumsum(xbar - np.concatenate(([0], d[:-1])))
     return tb, lb_pre - ga.base_bytes - resident, np.maximum(tb_tape - tb, 0)
+
+
+def _replay_gradients(graph: g.Graph, ga: GraphArrays, st: Stages, xbar: I64, d: I64,
+                      gb: I64) -> I64:
+    """``Chain.gu``: the gradient-side bytes when a region ending at each stage replays: just
+    after backward first unpacks a value saved in it (its highest stage with a save), the
+    plain run's live bytes less what the stages up to there still keep (d freed in the
+    forward; what later stages saved of theirs released before)."""
+    unpack = ints(graph.ops, "unpack_event")[: st.span]
+    none = np.iinfo(np.int64).max
+    first = np.full(st.k, none, dtype=np.int64)
+    ok = unpack >= 0
+    np.minimum.at(first, st.stage_of_op[: st.span][ok], unpack[ok])
+    at = np.maximum.accumulate(np.where(first < none, np.arange(st.k), -1))
+    # Released before u: a kept value whose death lies in a later stage's segment, or in
+    # k's own before u (kept: made in stages <= k and saved).
+    seg = np.append(_segment_stage(ga, st), -1)
+    own = st.made & ~ga.resident & st.retained & (ga.death < len(ga.timeline))
+    dies_in = np.maximum(seg[np.where(own, ga.death - ga.n_ops, -1)], st.v_stage)
+    made_to = np.cumsum(exact_sum(st.v_stage, ga.nbytes, own, st.k))
+    gone_to = np.cumsum(exact_sum(dies_in, ga.nbytes, own, st.k))
+    early = own & (ga.death <= first[dies_in].clip(max=len(ga.timeline) - 1))
+    gone = made_to - gone_to + exact_sum(dies_in, ga.nbytes, early, st.k)
+    kept = np.cumsum(xbar - np.concatenate(([0], d[:-1]))) - d - gone
+    k = np.maximum(at, 0)
+    ev = np.where(at >= 0, first[k], 0)
+    live = ga.timeline[ev] - ga.died[ev] - ga.base_bytes - kept[k]
+    return np.where(at >= 0, live, gb + d)
+
+
+def _segment_stage(ga: GraphArrays, st: Stages) -> I64:
+    """The stage whose backward segment each backward event lies in (``_segments``)."""
+    go = ga.grad_of
+    return np.minimum.accumulate(np.where(go >= 0, st.stage_of_op[np.maximum(go, 0)],
+                                          st.k - 1))
 
 
 def _stage_peaks(birth: I64, end: I64, made: npt.NDArray[np.bool_], nbytes: I64, firsts: I64,

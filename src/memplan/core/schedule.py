@@ -84,10 +84,9 @@ def _run(c: Chain, items: tuple[Item, ...], pos: int, used: int, droppable: bool
             if not replay:  # the user's code still holds what it saved: the next forward
                 fwd = max(fwd, region_exit(c, e) + copies)
             now = used + int(c.x[e]) + copies
-            # Gradient bytes when the region replays: gb counts the unsaved part of its output
-            # (d) as resident, but it was freed in the forward.
+            # Gradient bytes when the region replays (``Chain.replay_gradient``).
             p_body, f_body = _run(c, it.body, 0, used + body_extra, False,
-                                  int(c.gb[e] + c.d[e]), True)
+                                  int(c.replay_gradient[e]), True)
             peak = max(peak, used + gfwd + fwd, p_body)
             f_region = int(c.f[s : e + 1].sum())
             # A top-level replay stops early (Chain.fstop); nested ones are counted whole.

@@ -113,7 +113,7 @@ class _Sizes:
                           "Build the chain with memplan.chain.build_chain(graph).")
         dprev = np.concatenate(([0.0], c.d[:-1] / u))
         return cls(c.x / u, c.xbar / u, c.sac_bytes / u, dprev, c.tf / u, c.tf0 / u,
-                   (c.gb + c.d) / u, c.tf_replay / u, c.tf0_replay / u, c.tf_sac / u,
+                   c.replay_gradient / u, c.tf_replay / u, c.tf0_replay / u, c.tf_sac / u,
                    (c.xbar + c.gb + c.tb) / u - dprev, c.need_sac_b / u, c.base_bytes / u)
 
 

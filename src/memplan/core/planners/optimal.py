@@ -65,7 +65,7 @@ def stage_table(c: Chain, cost: I64 | None = None, slot: int = 1) -> I64:
                    (F.NEED_B, up(c.xbar + c.tb) + gb),
                    (F.DC_NEED, up(np.maximum(c.tf_sac, c.need_sac_b))),
                    (F.TF0_TOP, up(c.tf0)), (F.TF0_IN, up(c.tf0_replay)),
-                   (F.GF_IN, up(c.d) + gb), (F.GB, gb),
+                   (F.GF_IN, up(c.d) + gb if c.gu is None else up(c.gu)), (F.GB, gb),
                    (F.EXIT_TOP, up(exit_top)), (F.TAPE, up(c.tape_bytes)),
                    (F.TWICE, up(c.held_twice_bytes)), (F.TREAD, up(c.tape_read_bytes))):
         rows[row] = v
