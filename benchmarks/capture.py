@@ -28,6 +28,7 @@ from typing import Any
 
 MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "resnet1000": ("resnet", {"depth": 1000, "batch": 32}),
+    "lstm256": ("lstm", {"steps": 256}),
     "lstm1024": ("lstm", {"steps": 1024}),
     "lstm2048": ("lstm", {"steps": 2048}),
 }

@@ -32,15 +32,8 @@ import subprocess
 import sys
 from typing import Any
 
-MODELS: dict[str, tuple[str, dict[str, Any]]] = {
-    "resnet1000": ("resnet", {"depth": 1000, "batch": 32}),
-    "lstm256": ("lstm", {"steps": 256}),
-    "lstm1024": ("lstm", {"steps": 1024}),
-}
-WARMUP: dict[str, dict[str, Any]] = {  # benchmarks/capture.py's warm-up models
-    "resnet": {"depth": 14, "batch": 2, "image": 32, "classes": 10},
-    "lstm": {"steps": 4, "batch": 2, "hidden": 32, "input": 8, "classes": 10},
-}
+from capture import MODELS, WARMUP  # the models of benchmarks/capture.py, one table
+
 MODES = ("fake", "cached", "count", "record", "capture")
 
 _RUN = """

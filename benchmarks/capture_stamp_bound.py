@@ -25,15 +25,7 @@ import subprocess
 import sys
 from typing import Any
 
-MODELS: dict[str, tuple[str, dict[str, Any]]] = {
-    "resnet1000": ("resnet", {"depth": 1000, "batch": 32}),
-    "lstm1024": ("lstm", {"steps": 1024}),
-    "lstm2048": ("lstm", {"steps": 2048}),
-}
-WARMUP: dict[str, dict[str, Any]] = {  # benchmarks/capture.py's warm-up models
-    "resnet": {"depth": 14, "batch": 2, "image": 32, "classes": 10},
-    "lstm": {"steps": 4, "batch": 2, "hidden": 32, "input": 8, "classes": 10},
-}
+from capture import MODELS, WARMUP  # the models of benchmarks/capture.py, one table
 
 _RUN = """
 import json, os, time, torch
