@@ -104,21 +104,6 @@ def flat(objs: Sequence[Any], attr: str) -> tuple[I64, I64]:
 
 
 
-def _timeline(nbytes: I64, birth: I64, death: I64, n_events: int
-              ) -> tuple[I64, I64, I64, int]:
-    """Graph.live_bytes_timeline, vectorised: bytes live at each event after its outputs
-    exist; with the bytes born and died per event and the bytes alive before any (base)."""
-    pre = birth < 0
-    born = np.zeros(n_events + 1, dtype=np.int64)
-    np.add.at(born, birth[~pre], nbytes[~pre])
-    died = np.zeros(n_events + 1, dtype=np.int64)
-    dead = death != NO_DEATH
-    np.add.at(died, death[dead], nbytes[dead])
-    cum_died = np.concatenate(([0], np.cumsum(died[: n_events - 1]))) if n_events else died[:0]
-    base_bytes = int(nbytes[pre].sum())
-    return base_bytes + np.cumsum(born[:n_events]) - cum_died, born, died, base_bytes
-
-
 def _extract(graph: g.Graph) -> GraphArrays:
     values, ops, bops, cuts = graph.values, graph.ops, graph.backward_ops, graph.cut_points
     n_ops, n_events = len(ops), len(ops) + len(bops)
@@ -147,7 +132,15 @@ def _extract(graph: g.Graph) -> GraphArrays:
     batch_norm = np.fromiter(("batch_norm" in t for t in map(attrgetter("target"), ops)),
                              np.bool_, n_ops)
     has_outputs = np.bincount(out_op, minlength=n_ops) > 0
-    timeline, born, died, base_bytes = _timeline(nbytes, birth, death, n_events)
+    # Graph.live_bytes_timeline, vectorised: bytes live at each event after its outputs exist.
+    pre = birth < 0
+    born = np.zeros(n_events + 1, dtype=np.int64)
+    np.add.at(born, birth[~pre], nbytes[~pre])
+    died = np.zeros(n_events + 1, dtype=np.int64)
+    dead = death != NO_DEATH
+    np.add.at(died, death[dead], nbytes[dead])
+    cum_died = np.concatenate(([0], np.cumsum(died[: n_events - 1]))) if n_events else died[:0]
+    timeline = int(nbytes[pre].sum()) + np.cumsum(born[:n_events]) - cum_died
     fwd_flops, bwd_flops = ints(ops, "fwd_flops"), ints(ops, "bwd_flops")
     read_i, read = flat(cuts, "live")
     resident, never_dies, cut_i, live, held_i, held = resident_values(graph, va, death, read_i,
@@ -167,7 +160,7 @@ def _extract(graph: g.Graph) -> GraphArrays:
         producer=producer, activation=activation, last_fwd_use=last_fwd_use,
         fwd_flops=fwd_flops, bwd_flops=bwd_flops, expensive=expensive, has_outputs=has_outputs,
         out_op=out_op, out_vid=out_vid, grad_of=ints(bops, "grad_of"), timeline=timeline,
-        died=died, born0=int(born[0]), base_bytes=base_bytes,
+        died=died, born0=int(born[0]), base_bytes=int(nbytes[pre].sum()),
         step_flops=int(fwd_flops.sum()) + int(ints(bops, "fwd_flops").sum()),
         cut_after=ints(cuts, "after"), cut_bytes=cut_bytes, cut_min_producer=min_prod,
         cut_of=cut_i, cut_live=live, held_of=held_i, held_vid=held, res_of=read_i[dying],
