@@ -5,18 +5,14 @@ in the forward (an LSTM's previous cell state), so no checkpoint keeps them."""
 
 from __future__ import annotations
 
-import functools
-
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from memplan.core import chain as C
 from memplan.core import graph as g
 from memplan.core import schedule as S
 from memplan.core.evaluate import evaluate
 from memplan.core.plan import make_plan
-from tests.core.graphs import NAMES, tiny
+from tests.core.graphs import tiny
 
 
 def _regions(chain: C.Chain, length: int, nested: bool) -> tuple[S.Item, ...]:
@@ -126,55 +122,3 @@ def test_a_never_saved_value_read_across_two_cuts_is_counted_where_a_tape_keeps_
                      for s in range(chain.n))
     plan = make_plan(chain, schedule, "test", {}, None)
     assert plan.peak_bytes >= evaluate(graph, plan).peak_bytes == 5304
-
-
-@functools.cache
-def _model_chain(name: str) -> tuple[C.Chain, int]:
-    """The graph's chain, and how many of its stages lie in the model (a scope may cover)."""
-    graph = tiny(name)
-    chain = C.build_chain(graph)
-    n_model = graph.forward.ops if graph.forward else len(graph.ops)
-    return chain, int((chain.last < n_model).sum())
-
-
-@st.composite
-def _items(draw: st.DrawFn, s: int, t: int, top: bool, depth: int = 0) -> tuple[S.Item, ...]:
-    """A random schedule of stages s..t: keep, drop-cheap (top level), nested regions."""
-    items: list[S.Item] = []
-    k = s
-    while k <= t:
-        choice = draw(st.sampled_from(("keep", "drop-cheap", "region") if top else
-                                      ("keep", "region")))
-        if choice == "region" and k < t and depth < 3:
-            e = draw(st.integers(k, t - 1))
-            items.append(S.Region(k, e, draw(_items(k, e, False, depth + 1))))
-            k = e + 1
-            continue
-        items.append(S.DropCheap(k) if choice == "drop-cheap" else S.Keep(k))
-        k += 1
-    return tuple(items)
-
-
-@st.composite
-def _plans(draw: st.DrawFn) -> tuple[str, tuple[S.Item, ...]]:
-    name = draw(st.sampled_from(NAMES))
-    chain, inside = _model_chain(name)
-    # Scopes end before the model's last stage (a region never ends its sequence; the
-    # stages after the model, the loss, run outside it and are kept).
-    schedule = draw(_items(0, inside - 1, True)) if inside else ()
-    return name, (*schedule, *(S.Keep(s) for s in range(inside, chain.n)))
-
-
-@settings(max_examples=60, deadline=None)
-@given(_plans())
-def test_the_chain_never_predicts_below_the_evaluation(case: tuple[str, tuple[S.Item, ...]]
-                                                       ) -> None:
-    """Any schedule of the stored graphs: the chain's peak (what planners optimise) is
-    at least the runtime's (``evaluate``): tape copies, values a replay makes beside the
-    originals the user still holds, a drop-cheap tape's held outputs, what a region's tape
-    keeps, the replay loop's hold on each output until the next op, and the gradients when a
-    region replays (``Chain.gu``) are all counted (``memplan.core.scope_bytes``). (Main: 1,559 of calibration's 1,560 schedules below.)"""
-    name, schedule = case
-    graph, (chain, _) = tiny(name), _model_chain(name)
-    plan = make_plan(chain, schedule, "test", {}, None)
-    assert plan.peak_bytes >= evaluate(graph, plan).peak_bytes

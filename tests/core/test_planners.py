@@ -34,13 +34,8 @@ def schedules(s: int, t: int, top: bool) -> Iterator[tuple[S.Item, ...]]:
                 yield (S.Region(s, e, body),) + rest
 
 
-SCOPE_FIELDS = ("tape_held", "held_twice", "tape_read", "sac_extra", "sac_b_extra", "gu")
-
-
 @st.composite
-def chains(draw: st.DrawFn, size: int | None = None, scopes: bool = False) -> C.Chain:
-    """Random chains; ``scopes``: with what a recompute scope holds beyond the plain run
-    (``chain.Chain.region_bytes``, ``sac_bytes``: the optimal planner's model, not the ILP's)."""
+def chains(draw: st.DrawFn, size: int | None = None) -> C.Chain:
     k = size or draw(st.integers(1, 5))
     ints = lambda lo, hi: np.array(draw(st.lists(st.integers(lo, hi), min_size=k, max_size=k)),
                                    dtype=np.int64)
@@ -56,17 +51,15 @@ def chains(draw: st.DrawFn, size: int | None = None, scopes: bool = False) -> C.
                    tfr=np.minimum(tf, ints(0, 15)) if replay else None,
                    tfr0=np.minimum(tf0, ints(0, 10)) if replay else None,
                    tfs=np.minimum(tf, ints(0, 15)) if replay else None,
-                   xh=ints(0, 6) if draw(st.booleans()) else None,
-                   **{n: ints(0, 4 if n != "gu" else 12) if scopes and draw(st.booleans())
-                      else None for n in SCOPE_FIELDS})
+                   xh=ints(0, 6) if draw(st.booleans()) else None)
 
 
 @st.composite
-def repeating_chains(draw: st.DrawFn, max_k: int = 6, scopes: bool = True) -> C.Chain:
+def repeating_chains(draw: st.DrawFn, max_k: int = 6) -> C.Chain:
     """Chains of stages drawn from two or three kinds (residual units, LSTM steps): the
     optimal planner solves equal sub-chains once, gradient bytes relative to their end.
     gb grows by a per-kind step towards the input, as parameter gradients accumulate."""
-    kinds = [draw(chains(size=1, scopes=scopes)) for _ in range(draw(st.integers(1, 3)))]
+    kinds = [draw(chains(size=1)) for _ in range(draw(st.integers(1, 3)))]
     seq = draw(st.lists(st.integers(0, len(kinds) - 1), min_size=1, max_size=max_k))
     steps = draw(st.lists(st.integers(-5, 25), min_size=1, max_size=2))  # not tied to kinds
     step = draw(st.lists(st.sampled_from(steps), min_size=len(seq), max_size=len(seq)))
@@ -77,9 +70,6 @@ def repeating_chains(draw: st.DrawFn, max_k: int = 6, scopes: bool = True) -> C.
     with_replay = all(kind.tfr is not None for kind in kinds)
     replay = {n: np.array([getattr(kinds[i], n)[0] for i in seq], dtype=np.int64)
               if with_replay else None for n in ("tfr", "tfr0", "tfs")}
-    replay |= {n: np.array([getattr(kinds[i], n)[0] for i in seq], dtype=np.int64)
-               if all(getattr(kind, n) is not None for kind in kinds) else None
-               for n in SCOPE_FIELDS}
     k = len(seq)
     return C.Chain("fp", np.arange(k), np.arange(k), ("m",) * k, gb=gb.astype(np.int64),
                    base_bytes=3, step_flops=100, **pick, **replay)
@@ -92,7 +82,7 @@ def brute_force(c: C.Chain, budget: int) -> float:
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.one_of(chains(scopes=True), repeating_chains()), st.integers(0, 90))
+@given(st.one_of(chains(), repeating_chains()), st.integers(0, 90))
 def test_optimal_equals_brute_force(c: C.Chain, budget: int) -> None:
     cost, sch = O.solve(c, budget - c.base_bytes)  # exact bytes (the default)
     assert cost == brute_force(c, budget)
@@ -102,8 +92,7 @@ def test_optimal_equals_brute_force(c: C.Chain, budget: int) -> None:
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.one_of(chains(scopes=True), repeating_chains()), st.integers(0, 90),
-       st.sampled_from([8, 32]))
+@given(st.one_of(chains(), repeating_chains()), st.integers(0, 90), st.sampled_from([8, 32]))
 def test_slot_mode_never_exceeds_the_budget(c: C.Chain, budget: int, slots: int) -> None:
     cost, sch = O.solve(c, budget - c.base_bytes, slots=slots)
     assert cost >= brute_force(c, budget)  # rounded against the plan: never better
@@ -113,7 +102,7 @@ def test_slot_mode_never_exceeds_the_budget(c: C.Chain, budget: int, slots: int)
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.one_of(chains(scopes=True), repeating_chains()))
+@given(st.one_of(chains(), repeating_chains()))
 def test_least_need_equals_brute_force(c: C.Chain) -> None:
     least = min(S.simulate(c, s)[0] for s in schedules(0, c.n - 1, True))
     shape = O._Shape.of(O.stage_table(c), True)
@@ -134,7 +123,7 @@ def mirrors(c: C.Chain, items: tuple[S.Item, ...], depth: int = 0) -> np.ndarray
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.one_of(chains(scopes=True), repeating_chains()), st.integers(0, 90), st.booleans())
+@given(st.one_of(chains(), repeating_chains()), st.integers(0, 90), st.booleans())
 def test_recompute_bounds_are_lower_bounds(c: C.Chain, budget: int, dc: bool) -> None:
     """Every schedule that fits pays at least the bound, and so does each of its prefixes."""
     lb_total, lb_prefix = bounds.recompute_bounds(O.stage_table(c), budget - c.base_bytes, dc)

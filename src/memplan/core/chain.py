@@ -23,8 +23,7 @@ import numpy.typing as npt
 
 from memplan.core import graph as g
 from memplan.core.checkpoints import stage_bytes
-from memplan.core.graph_arrays import GraphArrays, graph_arrays, ints
-from memplan.core.scope_bytes import scope_bytes
+from memplan.core.graph_arrays import GraphArrays, flat, graph_arrays
 from memplan.core.stages import Stages, exact_sum, stages
 
 I64 = npt.NDArray[np.int64]
@@ -71,21 +70,6 @@ class Chain:
     # after the last op up to the stage's end making a value an op up to it saves (or
     # writing one in place). None: replays run whole.
     fstop: I64 | None = None
-    # What a recompute scope holds beyond the plain run (``scope_bytes``; None: zeros): a
-    # top-level region's tape holds ``tape_held`` of each stage (the copies it makes, the
-    # resident values it keeps) from the stage's forward to the region's backward, its
-    # replay holds its stages' values held twice beside the originals (regions at any depth)
-    # and its first stage's ``tape_read`` (top level); a drop-cheap stage holds ``sac_extra``
-    # beyond xsac until its backward and needs ``sac_b_extra`` beyond xsac_b there.
-    tape_held: I64 | None = None
-    held_twice: I64 | None = None
-    tape_read: I64 | None = None
-    # Gradient-side bytes when a region ending at the stage replays (None: gb + d, its
-    # backward's start): the replay waits for backward's first read of a value it saved,
-    # which autograd may record at the event before the stage's backward segment.
-    gu: I64 | None = None
-    sac_extra: I64 | None = None
-    sac_b_extra: I64 | None = None
 
     @property
     def n(self) -> int:
@@ -111,44 +95,8 @@ class Chain:
     def need_sac_b(self) -> I64:
         """Bytes above the stage's start at a drop-cheap stage's backward, bounded from above:
         its kept and recomputed values (xsac_b) at its plain backward's peak transient (the
-        replay happens when backward first reads a recomputed value, usually earlier), and
-        what its scope holds beyond them (``sac_b_extra``)."""
-        return self.xsac_b + self.gb + self.tb + self._z(self.sac_b_extra)
-
-    @property
-    def sac_bytes(self) -> I64:
-        """Bytes a drop-cheap stage adds until its backward: xsac and ``sac_extra``."""
-        return self.xsac + self._z(self.sac_extra)
-
-    def region_bytes(self, s: int, e: int, top: bool) -> tuple[int, int]:
-        """(tape bytes, the body's extra bytes) of a region over stages s..e: a top-level
-        region carries its stages' ``tape_held`` beside its checkpoint until its backward, and
-        its body replays with them, its values held twice and its first stage's
-        ``tape_read`` (a nested region shares its top one's tape: its held twice only)."""
-        twice = int(self.held_twice_bytes[s : e + 1].sum())
-        if not top:
-            return 0, twice
-        tape = int(self.tape_bytes[s : e + 1].sum())
-        return tape, tape + twice + int(self.tape_read_bytes[s])
-
-    @property
-    def replay_gradient(self) -> I64:
-        return self.gb + self.d if self.gu is None else self.gu
-
-    @property
-    def tape_bytes(self) -> I64:
-        return self._z(self.tape_held)
-
-    @property
-    def held_twice_bytes(self) -> I64:
-        return self._z(self.held_twice)
-
-    @property
-    def tape_read_bytes(self) -> I64:
-        return self._z(self.tape_read)
-
-    def _z(self, a: I64 | None) -> I64:
-        return np.zeros_like(self.x) if a is None else a
+        replay happens when backward first reads a recomputed value, usually earlier)."""
+        return self.xsac_b + self.gb + self.tb
 
 
 def clean_cuts(graph: g.Graph) -> list[int]:
@@ -177,12 +125,7 @@ def build_chain(graph: g.Graph, cuts: list[int] | None = None) -> Chain:
     f, b, fcheap, cheap = _stage_flops(ga, st)
     tf, tf0, tfr, tfr0, tfs = _forward_transients(ga, st, held, res)
     fstop = _stop_flops(graph, ga, st)
-    _, b_end, has = _segments(ga, st)
-    sb = scope_bytes(ga, st, cut_idx, np.where(has, ga.n_ops + b_end - 1, -1))
-    tb, gb, tape_read = _backward_transients(ga, st, xbar, d, sb.tape_ext)
-    gu = _replay_gradients(graph, ga, st, xbar, d, gb)
-    # A replay copies the outside tensors an op writes while the op runs (``scope_bytes``).
-    tfr, tfr0, tfs = tfr + sb.tape_copy, tfr0 + sb.tape_copy, tfs + sb.tape_copy
+    tb, gb = _backward_transients(ga, st, xbar, d)
     # Stages wholly after the model's forward (the loss) run outside the model, where the
     # runtime cannot recompute: make recomputing them cost more than any plain step.
     n_model = graph.forward.ops if graph.forward else None
@@ -197,9 +140,7 @@ def build_chain(graph: g.Graph, cuts: list[int] | None = None) -> Chain:
         xbar=xbar, d=d, xsac=xsac, xsac_b=xsac_b, fcheap=fcheap, tf=tf, tf0=tf0, tb=tb, gb=gb,
         base_bytes=ga.base_bytes, step_flops=ga.step_flops, cheap_ops=cheap, tfr=tfr,
         tfr0=tfr0, tfs=tfs, kinds=tuple(graph.cut_points[int(i)].kind for i in cut_idx), xh=xh,
-        fstop=fstop, tape_held=sb.tape_copy + sb.tape_kept, held_twice=sb.held_twice,
-        tape_read=tape_read, gu=gu, sac_extra=sb.tape_copy + sb.tape_kept + sb.dc_held,
-        sac_b_extra=2 * sb.tape_copy + sb.tape_kept + sb.held_twice_cheap,
+        fstop=fstop,
     )
 
 
@@ -208,12 +149,12 @@ def _stop_flops(graph: g.Graph, ga: GraphArrays, st: Stages) -> I64:
     makes an activation an op up to there saves or writes one saved in place (a region
     whose replay would stop before its first op is never replayed: the planner clamps)."""
     made = np.full(ga.n_ops, -1, dtype=np.int64)
-    op_i, vid = ga.save_op, ga.save_vid
+    op_i, vid = flat(graph.ops, "saved")
     mine = ga.activation[vid] & (ga.producer[vid] >= 0)
     np.maximum.at(made, op_i[mine], ga.producer[vid[mine]])
     saved_any = np.zeros(len(graph.values), dtype=np.bool_)
     saved_any[vid] = True
-    op_m, vid_m = ga.mut_op, ga.mut_vid
+    op_m, vid_m = flat(graph.ops, "mutated")
     writes = ga.activation[vid_m] & saved_any[vid_m]
     made[op_m[writes]] = op_m[writes]
     stop = np.maximum.accumulate(made) if ga.n_ops else made
@@ -263,17 +204,11 @@ def _forward_transients(ga: GraphArrays, st: Stages, held: I64, res_read: I64
     exp_value = np.zeros(len(ga.nbytes), dtype=np.bool_)
     exp_value[ga.out_vid[ga.expensive[ga.out_op]]] = True
     stage_end = st.afters[st.v_stage]
-    # A replay's loop holds each output until the next op has run (``evaluate``), into the
-    # next stage for its last op's (``carry``: at most that stage's first op).
-    replay_use = np.maximum(last_use, ga.birth + 1)
     tf0, tfr, tfr0, tfs = (
         _stage_peaks(ga.birth, end_, st.made, ga.nbytes, firsts, st.afters, st.v_stage, span,
                      ga.n_ops)
-        for end_ in (end, np.where(st.retained, stage_end, replay_use), replay_use,
+        for end_ in (end, np.where(st.retained, stage_end, last_use), last_use,
                      np.where(exp_value, stage_end, end)))
-    last_out = st.made & (ga.birth == stage_end) & (last_use <= stage_end)
-    carry = np.concatenate(([0], exact_sum(st.v_stage, ga.nbytes, last_out, st.k)[:-1]))
-    tfr, tfr0 = tfr + carry, tfr0 + carry
     # Resident values made before a stage and not yet dead are there during it.
     res = ga.resident & (ga.producer >= 0)
     change = np.zeros(ga.n_ops + 2, dtype=np.int64)
@@ -287,76 +222,30 @@ def _forward_transients(ga: GraphArrays, st: Stages, held: I64, res_read: I64
             tfs + sh_in + held_in)
 
 
-def _segments(ga: GraphArrays, st: Stages) -> tuple[I64, I64, npt.NDArray[np.bool_]]:
-    """Each stage's backward segment: backward ops are grouped by the stage whose gradient
-    they compute, as positions b_start .. b_end - 1 among the backward ops (has: not empty)."""
-    k = st.k
+def _backward_transients(ga: GraphArrays, st: Stages, xbar: I64, d: I64) -> tuple[I64, I64]:
+    """tb: the peak of a stage's backward above the live bytes when it starts; gb: the
+    gradient-side bytes (parameter grads so far, incoming grads) at its start. Backward ops
+    are grouped by the stage whose gradient they compute."""
+    k, n_ops, tl, died = st.k, ga.n_ops, ga.timeline, ga.died
     go = ga.grad_of
     bstage = np.minimum.accumulate(np.where(go >= 0, st.stage_of_op[np.maximum(go, 0)], k - 1))
     neg = -bstage
     s_all = -np.arange(k)
     b_start = np.searchsorted(neg, s_all, side="left")
     b_end = np.searchsorted(neg, s_all, side="right")
-    return b_start, b_end, b_end > b_start
-
-
-def _backward_transients(ga: GraphArrays, st: Stages, xbar: I64, d: I64, tape_ext: I64
-                         ) -> tuple[I64, I64, I64]:
-    """tb: the peak of a stage's backward above the live bytes when it starts; gb: the
-    gradient-side bytes (parameter grads so far, incoming grads) at its start; tape_read:
-    how much higher tb is when the values a region's tape keeps live to the segment's end
-    (``tape_ext``, per event; ``scope_bytes``)."""
-    k, n_ops, tl, died = st.k, ga.n_ops, ga.timeline, ga.died
-    b_start, b_end, has = _segments(ga, st)
+    has = b_end > b_start
     e0b = np.where(has, n_ops + b_start, np.minimum(n_ops + b_end, len(tl)))
     lb_pre = tl[e0b - 1] - died[e0b - 1]
     tb = np.zeros(k, dtype=np.int64)
-    tb_tape = np.zeros(k, dtype=np.int64)
     if has.any():
         starts = np.sort(b_start[has])
+        seg_max = np.maximum.reduceat(tl[n_ops:], starts)
         order_s = np.argsort(b_start[has])
-        for out, line in ((tb, tl), (tb_tape, tl + tape_ext)):
-            seg_max = np.maximum.reduceat(line[n_ops:], starts)
-            out_has = np.empty(int(has.sum()), dtype=np.int64)
-            out_has[order_s] = seg_max
-            out[has] = out_has - lb_pre[has]
+        tb_has = np.empty(int(has.sum()), dtype=np.int64)
+        tb_has[order_s] = seg_max
+        tb[has] = tb_has - lb_pre[has]
     resident = np.cumsum(xbar - np.concatenate(([0], d[:-1])))
-    return tb, lb_pre - ga.base_bytes - resident, np.maximum(tb_tape - tb, 0)
-
-
-def _replay_gradients(graph: g.Graph, ga: GraphArrays, st: Stages, xbar: I64, d: I64,
-                      gb: I64) -> I64:
-    """``Chain.gu``: the gradient-side bytes when a region ending at each stage replays: just
-    after backward first unpacks a value saved in it (its highest stage with a save), the
-    plain run's live bytes less what the stages up to there still keep (d freed in the
-    forward; what later stages saved of theirs released before)."""
-    unpack = ints(graph.ops, "unpack_event")[: st.span]
-    none = np.iinfo(np.int64).max
-    first = np.full(st.k, none, dtype=np.int64)
-    ok = unpack >= 0
-    np.minimum.at(first, st.stage_of_op[: st.span][ok], unpack[ok])
-    at = np.maximum.accumulate(np.where(first < none, np.arange(st.k), -1))
-    # Released before u: a kept value whose death lies in a later stage's segment, or in
-    # k's own before u (kept: made in stages <= k and saved).
-    seg = np.append(_segment_stage(ga, st), -1)
-    own = st.made & ~ga.resident & st.retained & (ga.death < len(ga.timeline))
-    dies_in = np.maximum(seg[np.where(own, ga.death - ga.n_ops, -1)], st.v_stage)
-    made_to = np.cumsum(exact_sum(st.v_stage, ga.nbytes, own, st.k))
-    gone_to = np.cumsum(exact_sum(dies_in, ga.nbytes, own, st.k))
-    early = own & (ga.death <= first[dies_in].clip(max=len(ga.timeline) - 1))
-    gone = made_to - gone_to + exact_sum(dies_in, ga.nbytes, early, st.k)
-    kept = np.cumsum(xbar - np.concatenate(([0], d[:-1]))) - d - gone
-    k = np.maximum(at, 0)
-    ev = np.where(at >= 0, first[k], 0)
-    live = ga.timeline[ev] - ga.died[ev] - ga.base_bytes - kept[k]
-    return np.where(at >= 0, live, gb + d)
-
-
-def _segment_stage(ga: GraphArrays, st: Stages) -> I64:
-    """The stage whose backward segment each backward event lies in (``_segments``)."""
-    go = ga.grad_of
-    return np.minimum.accumulate(np.where(go >= 0, st.stage_of_op[np.maximum(go, 0)],
-                                          st.k - 1))
+    return tb, lb_pre - ga.base_bytes - resident
 
 
 def _stage_peaks(birth: I64, end: I64, made: npt.NDArray[np.bool_], nbytes: I64, firsts: I64,

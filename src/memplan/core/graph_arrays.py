@@ -57,15 +57,6 @@ class GraphArrays:
     res_vid: I64
     resident: npt.NDArray[np.bool_]  # per value: resident, no stage's bytes (``resident``)
     resident_end: I64  # a resident value's last forward op (NO_DEATH: into the backward)
-    # (op, value) pairs of the forward ops' inputs, the values they write in place and save.
-    in_op: I64
-    in_vid: I64
-    mut_op: I64
-    mut_vid: I64
-    save_op: I64
-    save_vid: I64
-    state: npt.NDArray[np.bool_]  # per value: a parameter or buffer
-    batch_norm: npt.NDArray[np.bool_]  # per op: a batch norm (writes its running statistics)
 
 
 NO_DEATH = np.iinfo(np.int64).max
@@ -128,9 +119,6 @@ def _extract(graph: g.Graph) -> GraphArrays:
     expensive = np.fromiter(map(by_target.__getitem__, map(attrgetter("target"), ops)),
                             np.bool_, n_ops)
     out_op, out_vid = flat(ops, "outputs")
-    save_op, save_vid = flat(ops, "saved")
-    batch_norm = np.fromiter(("batch_norm" in t for t in map(attrgetter("target"), ops)),
-                             np.bool_, n_ops)
     has_outputs = np.bincount(out_op, minlength=n_ops) > 0
     # Graph.live_bytes_timeline, vectorised: bytes live at each event after its outputs exist.
     pre = birth < 0
@@ -165,8 +153,4 @@ def _extract(graph: g.Graph) -> GraphArrays:
         cut_after=ints(cuts, "after"), cut_bytes=cut_bytes, cut_min_producer=min_prod,
         cut_of=cut_i, cut_live=live, held_of=held_i, held_vid=held, res_of=read_i[dying],
         res_vid=read[dying], resident=resident, resident_end=resident_end,
-        in_op=in_op, in_vid=in_vid, mut_op=op_m, mut_vid=vid_m, save_op=save_op,
-        save_vid=save_vid, batch_norm=batch_norm,
-        state=np.fromiter((v.kind in (g.PARAMETER, g.BUFFER) for v in values), np.bool_,
-                          len(values)),
     )

@@ -14,8 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from memplan.core.chain import Chain
 from memplan.errors import PlanInvalid
 
@@ -72,21 +70,18 @@ def _run(c: Chain, items: tuple[Item, ...], pos: int, used: int, droppable: bool
             flops += int(c.f[s])
         elif isinstance(it, DropCheap):
             s = it.stage
-            now = used + int(c.sac_bytes[s])
+            now = used + int(c.xsac[s])
             peak = max(peak, used + gfwd + int(c.tf_sac[s]), used + int(c.need_sac_b[s]))
             flops += int(c.f[s] + c.fcheap[s])
         else:
             s, e = it.start, it.end
-            copies, body_extra = c.region_bytes(s, e, not replay)
-            tape = np.cumsum(c.tape_bytes[s : e + 1]) if copies else np.zeros(e - s + 1, np.int64)
-            fwd = max(int(tf0[k] + tape[k - s]) + (int(c.x[k - 1]) if k > s else 0)
-                      for k in range(s, e + 1))
+            fwd = max(int(tf0[k]) + (int(c.x[k - 1]) if k > s else 0) for k in range(s, e + 1))
             if not replay:  # the user's code still holds what it saved: the next forward
-                fwd = max(fwd, region_exit(c, e) + copies)
-            now = used + int(c.x[e]) + copies
-            # Gradient bytes when the region replays (``Chain.replay_gradient``).
-            p_body, f_body = _run(c, it.body, 0, used + body_extra, False,
-                                  int(c.replay_gradient[e]), True)
+                fwd = max(fwd, region_exit(c, e))
+            now = used + int(c.x[e])
+            # Gradient bytes when the region replays: gb counts the unsaved part of its output
+            # (d) as resident, but it was freed in the forward.
+            p_body, f_body = _run(c, it.body, 0, used, False, int(c.gb[e] + c.d[e]), True)
             peak = max(peak, used + gfwd + fwd, p_body)
             f_region = int(c.f[s : e + 1].sum())
             # A top-level replay stops early (Chain.fstop); nested ones are counted whole.

@@ -31,12 +31,11 @@ def merge(c: Chain, groups: list[tuple[int, int]]) -> Chain:
     dprev = np.concatenate(([0], c.d[:-1]))
     out: dict[str, list[int]] = {n: [] for n in ("f", "b", "x", "xbar", "d", "xsac", "xsac_b",
                                                  "fcheap", "tf", "tf0", "tb", "gb", "tfr",
-                                                 "tfr0", "tfs", "xh", "tape_held",
-                                                 "held_twice", "tape_read")}
+                                                 "tfr0", "tfs", "xh")}
     for a, b in groups:
         own = c.xbar[a : b + 1] - np.concatenate(([0], dprev[a + 1 : b + 1]))
         res = np.concatenate(([0], np.cumsum(own)))
-        xs = np.concatenate(([0], np.cumsum(c.sac_bytes[a : b + 1])))
+        xs = np.concatenate(([0], np.cumsum(c.xsac[a : b + 1])))
         tf = int(np.max(res[:-1] + c.tf[a : b + 1]))
         xin = np.concatenate(([0], c.x[a:b]))
         peak_b = int(np.max(res[1:] + c.gb[a : b + 1] + c.tb[a : b + 1]))
@@ -51,10 +50,6 @@ def merge(c: Chain, groups: list[tuple[int, int]]) -> Chain:
             "tfr": int(np.max(res[:-1] + c.tf_replay[a : b + 1])),
             "tfr0": int(np.max(c.tf0_replay[a : b + 1] + xin)),
             "tfs": int(np.max(xs[:-1] + c.tf_sac[a : b + 1])), "xh": int(c.held_end[b]),
-            # A region over groups holds what one over their stages would (``region_bytes``).
-            "tape_held": int(c.tape_bytes[a : b + 1].sum()),
-            "held_twice": int(c.held_twice_bytes[a : b + 1].sum()),
-            "tape_read": int(c.tape_read_bytes[a]),
         }
         for name, v in vals.items():
             out[name].append(v)
@@ -66,8 +61,7 @@ def merge(c: Chain, groups: list[tuple[int, int]]) -> Chain:
         step_flops=c.step_flops, f=arr["f"], b=arr["b"], x=arr["x"], xbar=arr["xbar"],
         d=arr["d"], xsac=arr["xsac"], xsac_b=arr["xsac_b"], fcheap=arr["fcheap"], tf=arr["tf"],
         tf0=arr["tf0"], tb=arr["tb"], gb=arr["gb"], tfr=arr["tfr"], tfr0=arr["tfr0"],
-        tfs=arr["tfs"], xh=arr["xh"], tape_held=arr["tape_held"],
-        held_twice=arr["held_twice"], tape_read=arr["tape_read"],
+        tfs=arr["tfs"], xh=arr["xh"],
     )
 
 

@@ -11,7 +11,7 @@ from memplan.core.planners.common import ChainLike, as_chain, finish
 
 def plan_drop_cheap(graph: ChainLike, budget_bytes: int | None = None) -> Plan:
     chain = as_chain(graph)
-    gain = [int(chain.xbar[s] - chain.sac_bytes[s]) for s in range(chain.n - 1)]
+    gain = [int(chain.xbar[s] - chain.xsac[s]) for s in range(chain.n - 1)]
     order = sorted((s for s in range(chain.n - 1) if gain[s] > 0),
                    key=lambda s: (-gain[s] / (int(chain.fcheap[s]) + 1), s))
 

@@ -8,9 +8,7 @@ nothing is rounded. A choice is KEEP, DROP_CHEAP or j >= 0: a region of stages s
 The recursion (Sec. 4.4; ``chain._run`` is the model):
   keep s:       shift C(s+1, t, ., 1) by xbar_s - dr*d_{s-1}, from its need, cost + f_s
   drop-cheap s: shift C(s+1, t, ., 1) by xsac_s, from its need, cost + f_s + fcheap_s (t = K-1)
-  region s..e:  m -> f(s..e) + C(s, e, m - b, 0) + C(e+1, t, m - x_e - h, 1), from its
-                forward's need (h: its tape's bytes at the top level, b: its body's extra,
-                ``chain.Chain.region_bytes``)
+  region s..e:  m -> f(s..e) + C(s, e, m, 0) + C(e+1, t, m - x_e, 1), from its forward's need
 and C is the lower envelope of the choices. Sub-chains inside regions are solved once per
 class of identical ones (``planners.repeats``), their needs stored relative to gb[t].
 
@@ -34,8 +32,8 @@ BIG = 1 << 62
 KEEP, DROP_CHEAP = -1, -2
 # Rows of the stage table (``optimal.stage_table``), one column per stage.
 (COST, CHEAP, X, XBAR, DPREV, XSAC, TF_TOP, TF_IN, NEED_B, DC_NEED, TF0_TOP, TF0_IN, GF_IN,
- GB, EXIT_TOP, TAPE, TWICE, TREAD) = range(18)
-ROWS = 18
+ GB, EXIT_TOP) = range(15)
+ROWS = 15
 
 
 @jit
@@ -198,21 +196,19 @@ def _regions(st: I64, cid: I32, n_cls: int, tab: I64, pool: I64, s: int, t: int,
     k = st.shape[1]
     top = t == k - 1
     tf0 = TF0_TOP if top else TF0_IN
-    fwd, fsum, tape, twice = NEG, 0, 0, 0
+    fwd, fsum = NEG, 0
     whole = 0
     for q in range(s, t + 1):
         whole += st[COST, q]
     for e in range(s, min(t, last + 1)):
-        tape += st[TAPE, e] if top else 0
-        twice += st[TWICE, e]
         # The region's first forward keeps nothing but the inputs of its later stages.
-        fwd = max(fwd, st[tf0, e] + tape + (st[X, e - 1] if e > s else 0))
+        fwd = max(fwd, st[tf0, e] + (st[X, e - 1] if e > s else 0))
         fsum += st[COST, e]
         if g + fwd > cap:
             break  # monotone in e
         if whole + fsum > cost_cap:
             break  # every stage runs once, the body's twice: monotone in e too
-        need = g + (max(fwd, st[EXIT_TOP, e] + tape) if top else fwd)
+        need = g + (max(fwd, st[EXIT_TOP, e]) if top else fwd)
         if need > cap:
             continue
         brow, bsh = ref(cid, st[GB], n_cls, s, e)
@@ -220,10 +216,9 @@ def _regions(st: I64, cid: I32, n_cls: int, tab: I64, pool: I64, s: int, t: int,
         ao, an, bo, bn = tab[brow, 0, 0], tab[brow, 0, 1], tab[rrow, 1, 0], tab[rrow, 1, 1]
         if an == 0 or bn == 0:
             continue
-        body = twice + (tape + st[TREAD, s] if top else 0)
         tmp = _room(tmp, ne + an + bn)
-        w = _with_region(pool, ao, an, bsh + body, bo, bn, rsh + st[X, e] + tape, need, fsum,
-                         cap, cost_cap, e - s, env, ne, tmp)
+        w = _with_region(pool, ao, an, bsh, bo, bn, rsh + st[X, e], need, fsum, cap,
+                         cost_cap, e - s, env, ne, tmp)
         if w >= 0:
             ne, env, tmp = w, tmp, env
     return ne, env, tmp
@@ -338,17 +333,14 @@ def least_need(st: I64, cid: I32, n_cls: int, allow_dc: bool) -> int:
             top = t == k - 1
             g = 0 if top else st[GF_IN, t]
             tf0 = TF0_TOP if top else TF0_IN
-            best, fwd, tape, twice = BIG, NEG, 0, 0
+            best, fwd = BIG, NEG
             for e in range(s, t):
-                tape += st[TAPE, e] if top else 0
-                twice += st[TWICE, e]
-                fwd = max(fwd, st[tf0, e] + tape + (st[X, e - 1] if e > s else 0))
+                fwd = max(fwd, st[tf0, e] + (st[X, e - 1] if e > s else 0))
                 brow, bsh = ref(cid, st[GB], n_cls, s, e)
                 rrow, rsh = ref(cid, st[GB], n_cls, e + 1, t)
-                nf = max(fwd, st[EXIT_TOP, e] + tape) if top else fwd
-                body = twice + (tape + st[TREAD, s] if top else 0)
-                best = min(best, max(g + nf, need[brow, 0] + bsh + body,
-                                     need[rrow, 1] + rsh + st[X, e] + tape))
+                nf = max(fwd, st[EXIT_TOP, e]) if top else fwd
+                best = min(best, max(g + nf, need[brow, 0] + bsh,
+                                     need[rrow, 1] + rsh + st[X, e]))
             rrow, rsh = ref(cid, st[GB], n_cls, s + 1, t)
             rest = need[rrow, 1] + rsh
             for dr in range(2):

@@ -16,10 +16,7 @@ item by item:
              the replay transients tfr_k, tfr0_k; a drop-cheap forward, tfs_k)
 
 the top level's as exact rows (a stage is kept, drop-cheap or in a region), the others as
-big-M rows whose M is the row's own range (``Model.le_big``). Not modelled: what a region
-holds beyond its checkpoint (``chain.Chain.region_bytes``: tape copies, values held twice, a
-tape's inputs; a few bytes per BatchNorm in most models): ``planners.ilp`` simulates each
-schedule and solves again below a budget it breaks. The objective is the executed
+big-M rows whose M is the row's own range (``Model.le_big``). The objective is the executed
 forward cost: sum_k cost_k * depth_k + drop-cheap's recomputed ops.
 """
 
@@ -84,7 +81,7 @@ class Model:
 
 def unit(c: C.Chain) -> int:
     """Bytes per model unit: a power of two bringing the largest byte count near 1e6."""
-    top = float(c.base_bytes + np.abs(c.xbar).sum() + np.abs(c.sac_bytes).sum() + np.abs(c.x).sum())
+    top = float(c.base_bytes + np.abs(c.xbar).sum() + np.abs(c.xsac).sum() + np.abs(c.x).sum())
     return 1 << max(0, math.ceil(math.log2(max(top, 1.0) / 1e6)))
 
 
@@ -112,8 +109,8 @@ class _Sizes:
             raise bad_arg("chain", "tf0 and x >= 0 (bytes)", "negative values",
                           "Build the chain with memplan.chain.build_chain(graph).")
         dprev = np.concatenate(([0.0], c.d[:-1] / u))
-        return cls(c.x / u, c.xbar / u, c.sac_bytes / u, dprev, c.tf / u, c.tf0 / u,
-                   c.replay_gradient / u, c.tf_replay / u, c.tf0_replay / u, c.tf_sac / u,
+        return cls(c.x / u, c.xbar / u, c.xsac / u, dprev, c.tf / u, c.tf0 / u,
+                   (c.gb + c.d) / u, c.tf_replay / u, c.tf0_replay / u, c.tf_sac / u,
                    (c.xbar + c.gb + c.tb) / u - dprev, c.need_sac_b / u, c.base_bytes / u)
 
 

@@ -60,14 +60,13 @@ def stage_table(c: Chain, cost: I64 | None = None, slot: int = 1) -> I64:
     exit_top[-1] = 0
     rows = np.empty((F.ROWS, c.n), dtype=np.int64)
     for row, v in ((F.COST, f), (F.CHEAP, cheap), (F.X, up(c.x)), (F.XBAR, up(c.xbar)),
-                   (F.DPREV, np.concatenate(([0], c.d[:-1])) // slot), (F.XSAC, up(c.sac_bytes)),
+                   (F.DPREV, np.concatenate(([0], c.d[:-1])) // slot), (F.XSAC, up(c.xsac)),
                    (F.TF_TOP, up(c.tf)), (F.TF_IN, up(c.tf_replay)),
                    (F.NEED_B, up(c.xbar + c.tb) + gb),
                    (F.DC_NEED, up(np.maximum(c.tf_sac, c.need_sac_b))),
                    (F.TF0_TOP, up(c.tf0)), (F.TF0_IN, up(c.tf0_replay)),
-                   (F.GF_IN, up(c.d) + gb if c.gu is None else up(c.gu)), (F.GB, gb),
-                   (F.EXIT_TOP, up(exit_top)), (F.TAPE, up(c.tape_bytes)),
-                   (F.TWICE, up(c.held_twice_bytes)), (F.TREAD, up(c.tape_read_bytes))):
+                   (F.GF_IN, up(c.d) + gb), (F.GB, gb),
+                   (F.EXIT_TOP, up(exit_top))):
         rows[row] = v
     return rows
 
@@ -88,7 +87,7 @@ class _Shape:
         gb = st[F.GB]
         inner = np.stack([st[F.COST], st[F.X], st[F.XBAR], st[F.DPREV], st[F.TF_IN],
                           st[F.TF0_IN], st[F.NEED_B] - gb, st[F.GF_IN] - gb,
-                          np.append(gb[:-1] - gb[1:], 0), st[F.TWICE]])
+                          np.append(gb[:-1] - gb[1:], 0)])
         kinds = stage_types(inner) if share else np.arange(st.shape[1], dtype=np.int64)
         cid, min_gb = classes(kinds, gb)
         return cls(st, cid, min_gb, allow_dc)
@@ -132,14 +131,10 @@ class _Program:
             elif choice == F.DROP_CHEAP:
                 items.append(DropCheap(s))
                 m -= int(self.st[F.XSAC, s])
-            else:  # a region s..e: its body has m free, less what the region holds
+            else:  # a region s..e: its body has m free too
                 e = s + choice
-                top = t == self.st.shape[1] - 1
-                tape = int(self.st[F.TAPE, s : e + 1].sum()) if top else 0
-                body = int(self.st[F.TWICE, s : e + 1].sum()) + (
-                    tape + int(self.st[F.TREAD, s]) if top else 0)
-                items.append(Region(s, e, self.schedule(s, e, 0, m - body)))
-                m -= int(self.st[F.X, e]) + tape
+                items.append(Region(s, e, self.schedule(s, e, 0, m)))
+                m -= int(self.st[F.X, e])
                 s = e
             s, dr = s + 1, 1
         return tuple(items)
