@@ -4,7 +4,9 @@ the runtime's own semantics on the captured graph), never to the chain model's e
 ``fit`` runs a planner, evaluates its plan, and when the evaluated peak exceeds the budget
 plans again under a budget tightened by the overshoot (a few times, deterministically), then
 tries the planner's least-peak plan; when nothing fits it refuses, naming the least peak each
-planner reaches and the one to use. Pure: no torch.
+planner reaches and the one to use. A plan that evaluates well below its budget (the chain
+model over-counts some steps) is planned again at a raised target, for less recomputation.
+Pure: no torch.
 """
 
 from __future__ import annotations
