@@ -62,12 +62,18 @@ print(json.dumps({{"wall_s": time.perf_counter() - wall, "cpu_s": time.process_t
 def run_once(model: str, fast: bool, src: str | None = None, warm: bool = False
              ) -> dict[str, Any]:
     name, params = MODELS[model]
+    return run_json(_RUN.format(name=name, params=params, fast=fast, warm=warm,
+                                warmup=WARMUP[name]), src)
+
+
+def run_json(code: str, src: str | None = None) -> dict[str, Any]:
+    """Run ``code`` in a fresh process, 1 thread (``src``: a source tree to import memplan
+    from), and return the JSON object its last output line prints."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     if src is not None:
         env["PYTHONPATH"] = os.path.abspath(src)
-    done = subprocess.run([sys.executable, "-c", _RUN.format(name=name, params=params, fast=fast, warm=warm,
-                                                      warmup=WARMUP[name])],
-                          capture_output=True, text=True, check=True, env=env)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True, env=env)
     return dict(json.loads(done.stdout.strip().splitlines()[-1]))
 
 

@@ -26,13 +26,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 from typing import Any
 
-from capture import MODELS, WARMUP  # the models of benchmarks/capture.py, one table
+from capture import MODELS, WARMUP, run_json  # one table of models, one runner
 
 MODES = ("fake", "cached", "count", "record", "capture")
 
@@ -127,10 +124,7 @@ print(json.dumps(out))
 
 def run_once(model: str, mode: str) -> dict[str, Any]:
     name, params = MODELS[model]
-    code = _RUN.format(name=name, params=params, warmup=WARMUP[name], mode=mode)
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+    return run_json(_RUN.format(name=name, params=params, warmup=WARMUP[name], mode=mode))
 
 
 def main() -> None:

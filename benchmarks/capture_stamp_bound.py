@@ -18,14 +18,10 @@ full graph -- is not in it: the figure is a floor, not an estimate. ``normal`` i
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
-import sys
 from typing import Any
 
-from capture import MODELS, WARMUP  # the models of benchmarks/capture.py, one table
+from capture import MODELS, WARMUP, run_json  # one table of models, one runner
 
 _RUN = """
 import json, os, time, torch
@@ -92,10 +88,7 @@ print(json.dumps({{"wall_s": time.perf_counter() - wall, "cpu_s": time.process_t
 
 def run_once(model: str, mode: str, warm: bool) -> dict[str, Any]:
     name, params = MODELS[model]
-    code = _RUN.format(name=name, params=params, warmup=WARMUP[name], mode=mode, warm=warm)
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+    return run_json(_RUN.format(name=name, params=params, warmup=WARMUP[name], mode=mode, warm=warm))
 
 
 def main() -> None:
