@@ -5,8 +5,11 @@ op), but it frees values where the model's Python frees them, not right after th
 as the op tape does, and it holds its arguments to its end. The plan's memory model is the op
 tape's, so a region replays a call as a unit only where that does not raise the region's
 replay above the op tape's peak: the bytes its replay keeps alive are computed for both from
-one forward on fake tensors (each value's birth, last read and death, in op counts), and
-calls are given back to the tape, outermost first where the excess is, until it fits.
+one forward on fake tensors (each value's birth, reads and death, in op counts), and
+calls are given back to the tape, outermost first where the excess is, until it fits. Nor is a
+call a unit where the region's tape would keep an argument the op tape does not: a tensor
+from before the region that no op of the region reads (x-transformers hands ``pos`` to every
+attention block), which the tape would hold into backward, where the plan's model lets it die.
 """
 
 from __future__ import annotations
@@ -26,13 +29,15 @@ class Call:
     first_op: int
     end_op: int  # exclusive
     safe: bool  # writes only tensors it made (and BatchNorm running statistics)
+    args: tuple[int, ...] = ()  # the values (of ``Values``) it is given as tensor arguments
 
 
 @dataclass
 class Values:
     """Per value (storage) of the fake forward, in the order they were made: the op that
     made it, the last op that read it, the op count when it was freed (-1: alive when the
-    forward returned, i.e. saved for backward or an output) and its bytes."""
+    forward returned, i.e. saved for backward or an output), its bytes and (``reads``) the
+    ops that read it, in order."""
 
     made: list[int]
     read: list[int]
@@ -42,6 +47,7 @@ class Values:
     # did not make, whether a module call began or ended since the last op). An op's inputs
     # are saved before it runs, its outputs after (``_within``).
     saves: list[tuple[int, int, bool]] = field(default_factory=list)
+    reads: list[list[int]] = field(default_factory=list)
 
 
 def choose(regions: list[tuple[int, int]], calls: list[Call], values: Values
@@ -54,10 +60,25 @@ def choose(regions: list[tuple[int, int]], calls: list[Call], values: Values
     starts = [c.first_op for c in ordered]
     for first, last in regions:
         lo, hi = bisect.bisect_left(starts, first), bisect.bisect_left(starts, last + 1)
-        inside = [c for c in ordered[lo:hi] if c.end_op <= last + 1]
+        inside = [c for c in ordered[lo:hi] if c.end_op <= last + 1
+                  and not _keeps_unread(c, first, last, values)]
         for c in _fit(first, last, inside, values):
             chosen.setdefault(c.path, set()).add(c.number)
     return {path: frozenset(numbers) for path, numbers in sorted(chosen.items())}
+
+
+def _keeps_unread(call: Call, first: int, last: int, values: Values) -> bool:
+    """Whether the call, a unit of region first..last, is given a value made before the
+    region that no op of the region reads: the unit's tape would keep it (replay passes it
+    again) where the op tape, and the plan's model (``core.evaluate``), keep only what the
+    region's ops read."""
+    for v in call.args:
+        if values.made[v] < first:
+            reads = values.reads[v]
+            k = bisect.bisect_left(reads, first)
+            if k == len(reads) or reads[k] > last:
+                return True
+    return False
 
 
 def _outermost(calls: list[Call], allowed: set[int]) -> list[Call]:
