@@ -4,11 +4,17 @@ or whose parameters changed since, is an error, never a silent difference."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
 
 import memplan
+from memplan.core import chain as C
+from memplan.core import schedule as S
+from memplan.core.evaluate import evaluate
+from memplan.core.plan import make_plan
 from memplan.runtime import units as U
 from memplan.runtime.apply import applied_state
 
@@ -111,6 +117,80 @@ def test_a_call_that_saves_another_shape_is_an_error() -> None:
     with pytest.raises(memplan.MemplanError, match=r"saved a \[8, 8\] float32 tensor for "
                        r"backward where its forward saved a \[8, 32\] float32 one"):
         loss.backward()  # type: ignore[no-untyped-call]
+
+
+class PosBlock(nn.Module):
+    """A block given positions it never reads (x-transformers passes ``pos=pos`` to every
+    attention block, for ALiBi only)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor | None = None) -> torch.Tensor:
+        out: torch.Tensor = x + self.fc2(torch.tanh(self.fc1(x)))
+        return out
+
+
+class PosNet(nn.Module):
+    """Positions made by the forward before the first block (an int64 arange) and handed to
+    each block, then a head of ``width`` outputs."""
+
+    def __init__(self, positions: int, width: int, d: int = 16, n: int = 4) -> None:
+        super().__init__()
+        self.positions = positions
+        self.blocks = nn.ModuleList(PosBlock(d) for _ in range(n))
+        self.head = nn.Linear(d, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(self.positions, device=x.device)
+        for b in self.blocks:
+            x = b(x, pos=pos)
+        out: torch.Tensor = self.head(x)
+        return out
+
+
+def _pos_region(model: PosNet, first: int, last: int) -> tuple[memplan.Plan, int]:
+    """``model`` applied under one region over stages first..last (stage k ends with
+    blocks.k; the positions are made in stage 0); the plan and the step's measured peak."""
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
+    graph = memplan.capture(model, x, loss_fn=_loss)
+    chain = C.build_chain(graph)
+    assert chain.modules[:4] == ("blocks.0", "blocks.1", "blocks.2", "blocks.3")
+    region = S.Region(first, last, tuple(S.Keep(s) for s in range(first, last + 1)))
+    schedule = (*(S.Keep(s) for s in range(first)), region,
+                *(S.Keep(s) for s in range(last + 1, chain.n)))
+    plan = make_plan(chain, schedule, "test", {}, None)
+    plan = dataclasses.replace(plan, forward=graph.forward,
+                               peak_bytes=evaluate(graph, plan).peak_bytes)
+    memplan.apply(model, plan)
+    measured = memplan.measure(model, x, loss_fn=_loss, simulate=False, repeat=1)
+    return plan, measured.peak_bytes
+
+
+def test_a_call_given_a_tensor_its_region_does_not_read_stays_on_the_tape() -> None:
+    """A region over blocks 1 and 2, after the positions (256 x 8 B) were made: a unit's
+    tape would keep them (an argument from outside the region, held for the replay) into
+    backward, where the op tape, whose ops never read them, lets them die with the forward:
+    2,048 B over the plan's peak, which a wide head puts in the loss (xt-decoder-rotary's
+    512 B). Those calls stay on the op tape, and the step's peak is the plan's to the byte."""
+    torch.manual_seed(0)
+    model = PosNet(positions=256, width=512)
+    plan, measured = _pos_region(model, 1, 2)
+    assert measured == plan.peak_bytes
+    assert applied_state(model).layout.units == {}  # type: ignore[union-attr]
+
+
+def test_a_call_given_a_tensor_its_ops_do_not_read_holds_it_in_replay() -> None:
+    """A region over blocks 0-2 that makes the positions (4096 x 8 B) itself: its replay
+    keeps them until the last unit given them has run, where the op tape frees them after
+    the op that made them (5,120 B over the plan's peak when each call was a unit). Calls
+    are units only where that keeps the replay's peak: here none."""
+    torch.manual_seed(0)
+    model = PosNet(positions=4096, width=2)
+    plan, measured = _pos_region(model, 0, 2)
+    assert measured == plan.peak_bytes
+    assert applied_state(model).layout.units == {}  # type: ignore[union-attr]
 
 
 # --- the choice, on made-up lifetimes -----------------------------------------------------------

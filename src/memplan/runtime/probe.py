@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memplan.runtime import units as U
-from memplan.runtime.tape import WRITE_ONLY, tensors, written_tensors
+from memplan.runtime.tape import WRITE_ONLY, tensor_leaves, tensors, written_tensors
 from memplan.tracing.datadep import Oracle, run_with_oracle
 from memplan.tracing.fake import fake_forward, model_device, real_forward, spec_args
 from memplan.tracing.module_hooks import global_module_hooks
@@ -59,7 +59,7 @@ def _probe(model: nn.Module, inputs: Sequence[Any] | None, specs: Sequence[dict[
     call_ends: dict[str, list[int]] = {path: [] for path in watch}
     open_calls: list[tuple[str, int, int]] = []
     numbers: dict[str, int] = {}
-    calls: list[tuple[str, int, int, int]] = []
+    calls: list[tuple[str, int, int, int, tuple[int, ...]]] = []
 
     def pre(mod: nn.Module, args: Any) -> None:
         counter.hooked = True
@@ -69,7 +69,7 @@ def _probe(model: nn.Module, inputs: Sequence[Any] | None, specs: Sequence[dict[
         numbers[path] = numbers.get(path, 0) + 1
         open_calls.append((path, numbers[path], len(counter.targets)))
 
-    def post(mod: nn.Module, args: Any, out: Any) -> None:
+    def post(mod: nn.Module, args: Any, kwargs: Any, out: Any) -> None:
         counter.hooked = True
         path = names.get(id(mod))
         if path is None:
@@ -79,14 +79,15 @@ def _probe(model: nn.Module, inputs: Sequence[Any] | None, specs: Sequence[dict[
         while open_calls:
             p, n, start = open_calls.pop()
             if p == path:
-                calls.append((p, n, start, len(counter.targets)))
+                calls.append((p, n, start, len(counter.targets), counter.values_of(args, kwargs)))
                 break
 
     # Values die by reference counting, in order; a forward failing on fake tensors is
     # reported by the caller, not logged by torch.
     with no_cyclic_gc(), _quiet_fake_tensor_log():
         out = fake_forward(model, inputs, specs, autocast,
-                           within=[global_module_hooks(pre, post), counter, counter.saving()])
+                           within=[global_module_hooks(pre, post, post_kwargs=True), counter,
+                                   counter.saving()])
         counter.kept = set(counter.live.values())  # saved for backward, or the output
         del out
     return FakeForward(counter.targets, call_ends, _calls(model, calls, counter),
@@ -95,8 +96,8 @@ def _probe(model: nn.Module, inputs: Sequence[Any] | None, specs: Sequence[dict[
 
 
 
-def _calls(model: nn.Module, calls: list[tuple[str, int, int, int]], count: _Count
-           ) -> list[U.Call]:
+def _calls(model: nn.Module, calls: list[tuple[str, int, int, int, tuple[int, ...]]],
+           count: _Count) -> list[U.Call]:
     """Module calls of the fake forward; safe when none of its ops writes a tensor made
     before the call (batch_norm's running statistics excepted). Calls of the root, of modules with
     their own instance forward, of leaf modules (one op or few: the tape costs no more) and
@@ -104,11 +105,11 @@ def _calls(model: nn.Module, calls: list[tuple[str, int, int, int]], count: _Cou
     running statistics for the whole call where the plan's model (``core.evaluate``) holds
     each for its op, and the step's peak must stay the plan's to the byte."""
     out = []
-    for path, number, start, end in calls:
+    for path, number, start, end, args in calls:
         if not path or not _may_be_unit(model.get_submodule(path)):
             continue
         safe = all(count.outside[i] >= start for i in range(start, end))
-        out.append(U.Call(path, number, start, end, safe))
+        out.append(U.Call(path, number, start, end, safe, args))
     return out
 
 
@@ -121,7 +122,7 @@ def _may_be_unit(mod: nn.Module) -> bool:
 class _Count(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Counts the forward's ops as capture does. For each op, the earliest op that made a
     tensor it writes (parameters, buffers, inputs: -1; batch_norm's statistics ignored); for
-    each storage an op makes, when it was made, last read and freed (in op counts)."""
+    each storage an op makes, when it was made, read and freed (in op counts)."""
 
     def __init__(self, oracle: Oracle) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
@@ -129,6 +130,7 @@ class _Count(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.targets: list[str] = []
         self.outside: list[int] = []
         self.values: list[list[int]] = []  # [made, last read, freed (-1: alive), bytes]
+        self.reads: list[list[int]] = []  # per value, the ops that read it
         self.live: dict[int, int] = {}  # storage -> value
         self.kept: set[int] = set()  # values alive when the forward returned
         self.saves: list[tuple[int, int, bool]] = []  # per autograd save (units.Values)
@@ -146,6 +148,9 @@ class _Count(TorchDispatchMode):  # type: ignore[no-untyped-call]
             vid = self.live.get(t.untyped_storage()._cdata)
             if vid is not None:
                 self.values[vid][1] = index
+                reads = self.reads[vid]
+                if not reads or reads[-1] != index:
+                    reads.append(index)
         first = index
         for t, mode in written_tensors(func, args, kwargs):
             if mode == WRITE_ONLY:  # batch_norm's running statistics
@@ -160,7 +165,14 @@ class _Count(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 self.live[key] = len(self.values)
                 weakref.finalize(storage, self._died, key, len(self.values))
                 self.values.append([index, index, -1, int(storage.nbytes())])
+                self.reads.append([])
         return out
+
+    def values_of(self, args: Any, kwargs: Any) -> tuple[int, ...]:
+        """The values (made by this forward) of a module call's tensor arguments."""
+        live = self.live
+        vids = {live.get(t.untyped_storage()._cdata) for t in tensor_leaves((args, kwargs))}
+        return tuple(sorted(v for v in vids if v is not None))
 
     def saving(self) -> contextlib.AbstractContextManager[Any]:
         """Notes what autograd saves, and when: an op's inputs before it runs, its outputs
@@ -180,7 +192,7 @@ class _Count(TorchDispatchMode):  # type: ignore[no-untyped-call]
     def lifetimes(self) -> U.Values:
         made, read, freed, nbytes = ([v[i] for v in self.values] for i in range(4))
         return U.Values(made, read, [-1 if i in self.kept else f for i, f in enumerate(freed)],
-                        nbytes, self.saves)
+                        nbytes, self.saves, self.reads)
 
 
 def _identity(t: Any) -> Any:

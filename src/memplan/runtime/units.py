@@ -2,11 +2,16 @@
 
 Re-running a call costs no per-op Python (the op tape's dispatch mode costs more than a small
 op), but it frees values where the model's Python frees them, not right after their last use
-as the op tape does, and it holds its arguments to its end. The plan's memory model is the op
-tape's, so a region replays a call as a unit only where that does not raise the region's
-replay above the op tape's peak: the bytes its replay keeps alive are computed for both from
-one forward on fake tensors (each value's birth, last read and death, in op counts), and
-calls are given back to the tape, outermost first where the excess is, until it fits.
+as the op tape does, and the replay keeps its arguments until it has run it, read by its ops
+or not (x-transformers hands ``pos`` to every attention block, which never reads it). The
+plan's memory model is the op tape's, so a region replays a call as a unit only where that
+does not raise the region's replay above the op tape's peak: the bytes its replay keeps alive
+are computed for both from one forward on fake tensors (each value's birth, reads and death,
+in op counts), and calls are given back to the tape, outermost first where the excess is,
+until it fits. Nor is a call a unit where the region's tape would keep an argument the op
+tape does not: a tensor from before the region that no op of the region reads (``pos``
+again), which the tape would hold into backward, where the plan's model lets it die with the
+forward.
 """
 
 from __future__ import annotations
@@ -26,13 +31,15 @@ class Call:
     first_op: int
     end_op: int  # exclusive
     safe: bool  # writes only tensors it made (and BatchNorm running statistics)
+    args: tuple[int, ...] = ()  # the values (of ``Values``) it is given as tensor arguments
 
 
 @dataclass
 class Values:
     """Per value (storage) of the fake forward, in the order they were made: the op that
     made it, the last op that read it, the op count when it was freed (-1: alive when the
-    forward returned, i.e. saved for backward or an output) and its bytes."""
+    forward returned, i.e. saved for backward or an output), its bytes and (``reads``) the
+    ops that read it, in order."""
 
     made: list[int]
     read: list[int]
@@ -42,6 +49,7 @@ class Values:
     # did not make, whether a module call began or ended since the last op). An op's inputs
     # are saved before it runs, its outputs after (``_within``).
     saves: list[tuple[int, int, bool]] = field(default_factory=list)
+    reads: list[list[int]] = field(default_factory=list)
 
 
 def choose(regions: list[tuple[int, int]], calls: list[Call], values: Values
@@ -54,10 +62,25 @@ def choose(regions: list[tuple[int, int]], calls: list[Call], values: Values
     starts = [c.first_op for c in ordered]
     for first, last in regions:
         lo, hi = bisect.bisect_left(starts, first), bisect.bisect_left(starts, last + 1)
-        inside = [c for c in ordered[lo:hi] if c.end_op <= last + 1]
+        inside = [c for c in ordered[lo:hi] if c.end_op <= last + 1
+                  and not _keeps_unread(c, first, last, values)]
         for c in _fit(first, last, inside, values):
             chosen.setdefault(c.path, set()).add(c.number)
     return {path: frozenset(numbers) for path, numbers in sorted(chosen.items())}
+
+
+def _keeps_unread(call: Call, first: int, last: int, values: Values) -> bool:
+    """Whether the call, a unit of region first..last, is given a value made before the
+    region that no op of the region reads: the unit's tape would keep it (replay passes it
+    again) where the op tape, and the plan's model (``core.evaluate``), keep only what the
+    region's ops read."""
+    for v in call.args:
+        if values.made[v] < first:
+            reads = values.reads[v]
+            k = bisect.bisect_left(reads, first)
+            if k == len(reads) or reads[k] > last:
+                return True
+    return False
 
 
 def _outermost(calls: list[Call], allowed: set[int]) -> list[Call]:
@@ -79,12 +102,23 @@ def _fit(first: int, last: int, calls: list[Call], values: Values) -> list[Call]
         peak, at = _peak(first, end - 1, run, values)
         if peak <= ref:
             return units
-        culprit = next((i for i, c in enumerate(calls) if i in allowed
-                        and c.first_op <= at < c.end_op and c in units), None)
+        culprit = _culprit(calls, allowed, units, at, values)
         if culprit is None:
             break
         allowed.discard(culprit)
     return []
+
+
+def _culprit(calls: list[Call], allowed: set[int], units: list[Call], at: int,
+             values: Values) -> int | None:
+    """The unit to give back to the tape for a replay peak at op ``at``: the one running
+    there, else one holding an argument there, made by an earlier op (``_held_args``)."""
+    running = next((i for i, c in enumerate(calls) if i in allowed and c in units
+                    and c.first_op <= at < c.end_op), None)
+    if running is not None:
+        return running
+    return next((i for i, c in enumerate(calls) if i in allowed and c in units
+                 and any(values.made[v] <= at < c.first_op for v in c.args)), None)
 
 
 def _within(count: int, hooked: bool, lo: int, hi: int) -> bool:
@@ -143,6 +177,16 @@ def _replay_end(first: int, last: int, units: list[Call], values: Values
     return min(end, last + 1), run
 
 
+def _held_args(units: list[Call]) -> dict[int, int]:
+    """Per value a unit is given, the end of the last such unit: a replay keeps a unit's
+    arguments until it has run it (``replay._replay``), read by its ops or not."""
+    held: dict[int, int] = {}
+    for u in units:
+        for v in u.args:
+            held[v] = max(held.get(v, 0), u.end_op)
+    return held
+
+
 def _peak(first: int, last: int, units: list[Call], values: Values) -> tuple[int, int]:
     """The most bytes the replay of ops first..last keeps alive at once, and the op where:
     values the forward keeps (saved for backward) to the end; the others to their last read
@@ -150,6 +194,7 @@ def _peak(first: int, last: int, units: list[Call], values: Values) -> tuple[int
     the call or to its end."""
     end_of = [u.end_op for u in units]
     start_of = [u.first_op for u in units]
+    held = _held_args(units)
     delta = [0] * (last - first + 2)
     lo = bisect.bisect_left(values.made, first)
     hi = bisect.bisect_right(values.made, last)
@@ -167,6 +212,7 @@ def _peak(first: int, last: int, units: list[Call], values: Values) -> tuple[int
                     end = max(end, min(freed, unit_end))
                 else:  # an argument: held to the call's end
                     end = max(end, unit_end)
+            end = max(end, held.get(v, end))
         delta[made - first] += nbytes
         delta[min(end, last + 1) - first] -= nbytes
     peak = alive = 0

@@ -21,10 +21,13 @@ def module_hooks(tracer: StepTracer, root: torch.nn.Module) -> Iterator[None]:
 
 
 @contextmanager
-def global_module_hooks(pre: Callable[..., None], post: Callable[..., None]) -> Iterator[None]:
-    """Forward pre- and post-hooks on every module call while the block runs."""
+def global_module_hooks(pre: Callable[..., None], post: Callable[..., None],
+                        post_kwargs: bool = False) -> Iterator[None]:
+    """Forward pre- and post-hooks on every module call while the block runs; ``post_kwargs``:
+    the post-hook is called as ``post(module, args, kwargs, out)`` (torch gives a global
+    pre-hook no keyword arguments)."""
     h1 = torch.nn.modules.module.register_module_forward_pre_hook(pre)
-    h2 = torch.nn.modules.module.register_module_forward_hook(post)
+    h2 = torch.nn.modules.module.register_module_forward_hook(post, with_kwargs=post_kwargs)
     try:
         yield
     finally:
