@@ -47,8 +47,9 @@ class StrideChange(nn.Module):
 
 
 class Shared(nn.Module):
-    """Two calls of one unit (shared weights: their grads add up): neither is stamped; the
-    unit of the same structure between them is."""
+    """Two calls of one unit (shared weights: their grads add up): the second is not stamped,
+    and the first's backward (with those adds) is not its side run's, so the template is not
+    trusted for the unit of the same structure between them: the capture falls back."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -63,7 +64,7 @@ class Shared(nn.Module):
 
 class Parallel(nn.Module):
     """Two units of one structure side by side, summed: add's backward hands both the same
-    gradient tensor, which the second's template does not foresee: the capture falls back."""
+    gradient tensor, which outlives the second (stamped) unit's backward."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -92,6 +93,47 @@ class WeightReused(nn.Module):
         return out
 
 
+class Layer(nn.Module):
+    """An HF-style decoder layer: two arguments (so not stamped itself), a residual add
+    around an MLP of one argument on 3-d input, whose output is a view of a matmul's: the
+    MLP is stamped, and add's backward hands its gradient to the residual too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(8)
+        self.mlp = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+
+    def forward(self, x: torch.Tensor, scale: float) -> torch.Tensor:
+        y: torch.Tensor = x + self.mlp(self.norm(x)) * scale
+        return y
+
+
+class ResidualMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(4, 8)
+        self.layers = nn.ModuleList(Layer() for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x.flatten(2).transpose(1, 2))
+        for layer in self.layers:
+            h = layer(h, 0.5)
+        return h
+
+
+class MLPStack(nn.Module):
+    """MLPs on 3-d input, one after another (the HF MLP without its residual): stamped."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(4, 8)
+        self.mlps = nn.Sequential(*(nn.Sequential(nn.Linear(8, 8), nn.GELU()) for _ in range(3)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y: torch.Tensor = self.mlps(self.embed(x.flatten(2).transpose(1, 2)))
+        return y
+
+
 def _user(model: Callable[[], nn.Module]) -> Callable[[], Target]:
     def make() -> Target:
         torch.manual_seed(0)
@@ -106,9 +148,11 @@ CASES: dict[str, tuple[Callable[[], Target], int | None]] = {
     "gpt3": (lambda: as_target(small("gpt", layers=3), (), None), 2),
     "gpt3_dropout": (lambda: as_target(small("gpt", layers=3, dropout=0.1), (), None), 2),
     "stride_change": (_user(StrideChange), 2),
-    "shared": (_user(Shared), 1),
-    "parallel": (_user(Parallel), None),
+    "shared": (_user(Shared), None),
+    "parallel": (_user(Parallel), 1),
     "weight_reused": (_user(WeightReused), None),
+    "residual_mlp": (_user(ResidualMLP), 2),
+    "mlp_stack": (_user(MLPStack), 2),
 }
 
 

@@ -24,6 +24,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from memplan.tracing import stamp_emit
+from memplan.tracing.stamp_check import foresaw
 from memplan.tracing.stamp_template import (
     Ineligible,
     StampMismatch,
@@ -51,7 +52,7 @@ class Stamper:
         # (template, first op, first value, outer values) of each first call and stamped call
         self.firsts: list[tuple[Template, int, int, list[int]]] = []
         self.instances: list[tuple[Template, int, int, list[int]]] = []
-        self._side = False
+        self._inside = 0  # unit calls under way
         self._called: set[int] = set()  # units called so far (a second call shares weights)
 
     @contextmanager
@@ -71,9 +72,14 @@ class Stamper:
     def _wrap(self, module: torch.nn.Module, original: Callable[..., Any], key: Any
               ) -> Callable[..., Any]:
         def forward(*args: Any, **kwargs: Any) -> Any:
-            if self._side or kwargs or len(args) != 1:
+            # Inside a unit being traced, stamped or side-run, a unit is part of it.
+            if self._inside or kwargs or len(args) != 1:
                 return original(*args, **kwargs)
-            return self._call(module, original, key, args[0])
+            self._inside += 1
+            try:
+                return self._call(module, original, key, args[0])
+            finally:
+                self._inside -= 1
         return forward
 
     def _call(self, module: torch.nn.Module, original: Callable[..., Any], key: Any,
@@ -125,11 +131,7 @@ class Stamper:
             _no_oracle_ops(tracer, forward)
             names = ([n for n, _ in module.named_parameters()],
                      [n for n, _ in module.named_buffers()])
-            self._side = True
-            try:
-                backward = side_run(tracer, module, forward, names, x, params, buffers)
-            finally:
-                self._side = False
+            backward = side_run(tracer, module, forward, names, x, params, buffers)
         except Ineligible:
             return out
         template = self.templates[full] = Template(forward, backward)
@@ -155,6 +157,10 @@ class Stamper:
         when the graph does: the template does not know when)."""
         if self.backward_done != self.stamped:
             raise StampMismatch(f"{self.stamped - self.backward_done} stamped backwards never ran")
+        used = {id(template) for template, *_ in self.instances}
+        for template, op0, f0, outer in self.firsts:
+            if id(template) in used and not foresaw(self.tracer, template, op0, f0, outer):
+                raise StampMismatch(f"{template.forward.path}'s backward is not its side run's")
         # A weight used outside its unit too: autograd added the grads, after the template.
         if any(p.grad is None or self.tracer._lookup(p.grad) != vid for p, vid in self.handed):
             raise StampMismatch("a stamped unit's parameter got gradients from elsewhere too")
@@ -177,16 +183,16 @@ def _no_oracle_ops(tracer: StepTracer, forward: Any) -> None:
 
 def _units(root: torch.nn.Module) -> list[tuple[torch.nn.Module, int]]:
     """Modules repeated under ``root`` (same structure, hyperparameters and parameter specs),
-    with parameters of their own and no hooks, outermost first: (module, structural key)."""
+    with parameters of their own and no hooks: (module, structural key). A unit inside
+    another is stamped only where the outer one is not (its call has two arguments, say)."""
     keys: dict[int, int] = {}
     _structure(root, keys, {})
     counts = Counter(keys.values())
     owners: Counter[int] = Counter(id(p) for _, p in root.named_parameters(remove_duplicate=False))
     calls: Counter[int] = Counter(id(m) for _, m in root.named_modules(remove_duplicate=False))
     units: list[tuple[torch.nn.Module, int]] = []
-    taken: list[str] = []
     for name, m in root.named_modules():
-        if not name or any(name.startswith(u + ".") for u in taken[-1:]):
+        if not name:
             continue
         # A leaf module is one op or two: not worth a template (and its output's gradient is
         # often handed to a sibling too, as add's backward does).
@@ -196,7 +202,6 @@ def _units(root: torch.nn.Module) -> list[tuple[torch.nn.Module, int]]:
         if not mine or any(owners[k] != n for k, n in mine.items()) or _hooked(m):
             continue
         units.append((m, keys[id(m)]))
-        taken.append(name)
     return units
 
 
@@ -224,7 +229,7 @@ def _structure(m: torch.nn.Module, keys: dict[int, int], ids: dict[Any, int]) ->
     """What a module's forward may depend on besides its input (class, plain attributes such
     as stride, eps and training, other attributes by identity, parameters' and buffers' specs,
     children), numbered: equal numbers, equal structures. Fills ``keys`` for every module."""
-    attrs = tuple((k, v if _plain(v) else ("id", id(v)))
+    attrs = tuple((k, _frozen(v) if _plain(v) else ("id", id(v)))
                   for k, v in sorted(vars(m).items()) if not k.startswith("_"))
     tensors = tuple((n, tuple(t.shape), t.dtype, t.requires_grad)
                     for n, t in (*m._parameters.items(), *m._buffers.items()) if t is not None)
@@ -233,6 +238,11 @@ def _structure(m: torch.nn.Module, keys: dict[int, int], ids: dict[Any, int]) ->
     key = (type(m).__qualname__, type(m).__module__, attrs, tensors, children)
     keys[id(m)] = number = ids.setdefault(key, len(ids))
     return number
+
+
+def _frozen(v: Any) -> Any:
+    """A plain value, hashable (lists as tuples)."""
+    return tuple(_frozen(x) for x in v) if isinstance(v, (list, tuple)) else v
 
 
 def _plain(v: Any) -> bool:

@@ -20,7 +20,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from memplan.core import graph as g
 from memplan.tracing.opcache import fake_tensor
-from memplan.tracing.stamp_template import NEW, StampMismatch, Template
+from memplan.tracing.stamp_template import NEW, StampMismatch, Template, tensor_spec
 from memplan.tracing.tracer import StepTracer, _OpRec, _ValueRec
 
 if TYPE_CHECKING:
@@ -111,6 +111,7 @@ def emit_forward(tracer: StepTracer, template: Template, path: str, out: torch.T
                 if tracer._add(out, storage, g.ACTIVATION, op0 + i) != f0 + k \
                         or storage.nbytes() != nbytes:
                     raise _mismatch("the output is not the template's")
+                values[f0 + k].shape = shape  # its op's shape (the unit may return a view)
                 continue
             values.append(_ValueRec(f0 + k, nbytes, g.ACTIVATION, op0 + i, op0 + i, None,
                                     shape, dtype, numel))
@@ -133,12 +134,19 @@ def emit_backward(tracer: StepTracer, template: Template, op0: int, f0: int, out
     returns the gradients to hand on, by position among (input, *params)."""
     bwd = template.backward
     gvid = tracer._lookup(grad) if isinstance(grad, torch.Tensor) else None
-    # Autograd alone must hold it (not also another node's input, as add's backward hands
-    # one tensor to both branches): then it dies after the unit's first op, as templated.
-    if gvid is None or tracer._proxies.get(gvid) or grad._use_count() != 1 \
-            or torch._C._storage_Use_Count(grad.untyped_storage()._cdata) > 2 \
-            or not _unwatch(tracer, grad):
-        raise _mismatch("the incoming gradient is not a tracked tensor autograd alone holds")
+    # The incoming gradient: autograd alone holds it (then it dies after the unit's first op,
+    # as templated), or also another node's input buffer (add's backward hands one tensor to
+    # both branches: then it outlives the unit, tracked as any tensor; never accumulated into
+    # inside the unit then: autograd accumulates in place only into a tensor nothing else
+    # holds). Never a view (its base's holder decides when it dies); its strides decide how
+    # autograd reshapes it: the template's.
+    shared = gvid is not None and grad._use_count() > 1
+    holders = torch._C._storage_Use_Count(grad.untyped_storage()._cdata) - 1  # this call's
+    if gvid is None or tracer._proxies.get(gvid) or tensor_spec(grad) != bwd.incoming_spec \
+            or grad._is_view() or holders > grad._use_count() \
+            or (shared and not bwd.incoming_read_only) or not (shared or _unwatch(tracer, grad)):
+        raise _mismatch("the incoming gradient is not one the template foresaw")
+    incoming = -1 - len(outer)
     outer = [*outer, gvid]
     ws, n0 = tracer.event, len(tracer.values)
     values, ops = tracer.values, tracer.ops
@@ -171,6 +179,8 @@ def emit_backward(tracer: StepTracer, template: Template, op0: int, f0: int, out
         if op is not None:
             tracer._note_peak()
         for c in bwd.deaths.get(r, ()):
+            if shared and c == incoming:
+                continue
             rec = values[vid(c, f0, outer, n0)]
             rec.death = e
             tracer.live_bytes -= rec.nbytes

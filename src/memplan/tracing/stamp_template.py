@@ -66,6 +66,8 @@ class Backward:
     saved: list[list[int]]  # per forward op: codes of what it saved
     last_grad_of: int  # the forward op whose node ran last
     length: int  # events in the window
+    incoming_read_only: bool  # no op of the window adds to or writes the incoming gradient
+    incoming_spec: tuple[Any, ...] = ()  # its shape, strides, offset, dtype (``tensor_spec``)
 
 
 @dataclass
@@ -99,10 +101,12 @@ def read_forward(tracer: StepTracer, path: str, op0: int, v0: int, c0: int,
                     [v - v0 for v in op.outputs], [rel(v) for v in op.mutated], op.fwd_flops))
     values = []
     out_vid = tracer._lookup(out)
-    if out_vid is None or not v0 <= out_vid < v1 or out._is_view():
-        # A view's gradient takes a path through autograd of its own (CopySlices, a view
-        # op before the node), which one node for the unit would not take.
-        raise Ineligible("output not a fresh tensor made in the unit")
+    if out_vid is None or not v0 <= out_vid < v1:
+        raise Ineligible("output not made in the unit")
+    if out._is_view() and any(out_vid in op.mutated for op in tracer.ops[op0:op1]):
+        # A view written in place: its gradient takes a path through autograd of its own
+        # (CopySlices, a view op before the node), which one node for the unit does not.
+        raise Ineligible("output a view written in place")
     fwd = Forward(path, ops, [], [], out_vid - v0)
     for v in tracer.values[v0:v1]:
         if v.kind != g.ACTIVATION:
@@ -151,6 +155,9 @@ def side_run(main: StepTracer, module: torch.nn.Module, fwd: Forward,
         op0, v0 = len(side.ops), len(side.values)
         out = functional_call(module, state, (xs,))
         op1, v1 = len(side.ops), len(side.values)
+        # How autograd reshapes the incoming gradient depends on its strides: recorded.
+        incoming: list[tuple[Any, ...]] = []
+        out.register_hook(lambda grad: incoming.append(tensor_spec(grad)))
         loss = (out * 2.0).sum()
     side.end_forward()
     _same_forward(side, fwd, (op0, op1), (v0, v1), outer, out)
@@ -158,6 +165,9 @@ def side_run(main: StepTracer, module: torch.nn.Module, fwd: Forward,
         loss.backward()
     grads = [x_leaf.grad] + [p.grad for p in p2]
     bwd = _read_backward(side, op0, op1, v0, v1, outer, grads, fwd.out)
+    if len(incoming) != 1:
+        raise Ineligible("the output's gradient did not come once")
+    bwd.incoming_spec = incoming[0]
     dead = {c for deaths in (bwd.deaths, fwd.deaths) for codes in deaths.values() for c in codes}
     if any(k not in dead and k != fwd.out for k in range(v1 - v0)) \
             or any(release < 0 for _, release in bwd.proxies):
@@ -233,7 +243,11 @@ def _read_backward(side: StepTracer, op0: int, op1: int, v0: int, v1: int, outer
     proxies = [(c, max(events[i][1] for i, s in enumerate(saved) if c in s))
                for c in (-1, out) if any(c in s for s in saved)]
     last = max(unit, key=lambda i: side.ops[i].unpack_event)
-    return Backward(ops, values, real, deaths, events, proxies, saved, last - op0, we - ws)
+    g_code = -1 - len(outer)
+    read_only = not any(g_code in mutated or (g_code in inputs and target.startswith("aten.add"))
+                        for target, inputs, _, mutated, _, _ in ops)
+    return Backward(ops, values, real, deaths, events, proxies, saved, last - op0, we - ws,
+                    read_only)
 
 
 def _window(side: StepTracer, unit: range) -> tuple[int, int, list[Any]]:
@@ -267,6 +281,10 @@ def _handed(side: StepTracer, grads: list[torch.Tensor | None], first: int
             raise Ineligible("a gradient the unit hands on is not a fresh value")
         real[vid - first] = (k, tuple(t.shape), tuple(t.stride()))
     return real
+
+
+def tensor_spec(t: torch.Tensor) -> tuple[Any, ...]:
+    return tuple(t.shape), t.stride(), t.storage_offset(), t.dtype
 
 
 def _rel_event(e: int, ws: int) -> int:
