@@ -5,12 +5,15 @@ renumbered (``stamp_template``); its backward emits the template's backward reco
 autograd gradients of the right specs. The Graph is the one the slow path records: tests/
 tracing/test_stamp.py holds it to that, field by field.
 
-Stamped: calls with one tensor input that requires grad and one fresh tensor output, of a
-module repeated in the model with parameters of its own (no weights shared with any other
-module), no hooks, and whose first call and side run (``stamp_template``) read nothing from
-outside it. Anything else is traced as before. Whatever a stamped call meets that its template
-did not foresee (a tensor from outside dies while it runs, a gradient autograd did not hand it
-as expected) raises ``StampMismatch``: the capture then runs again, unstamped.
+Stamped: calls with one tensor input that requires grad and one tensor output made inside
+(not a view written in place), of a module (not a leaf) repeated in the model with parameters
+of its own (no weights registered twice), no hooks, called once, whose first call and side run
+(``stamp_template``) read nothing from outside it. Anything else is traced as before.
+Whatever a stamped call meets that its template did not foresee raises ``StampMismatch`` and
+the capture runs again, unstamped: a tracked tensor dies while it runs; its incoming gradient
+is a view, has other strides, or is shared and added to inside the unit; its backward never
+runs; a weight of it gets gradients from elsewhere too; a first call's own backward is not its
+side run's (``stamp_check``). ``benchmarks/capture_stamp_zoo.py`` compares every zoo entry.
 """
 
 from __future__ import annotations
