@@ -38,6 +38,7 @@ from memplan.tracing.stamp_template import (
 from memplan.tracing.tracer import StepTracer
 
 _PLAIN = (int, float, bool, str, type(None))
+_VIEW_GRADS = frozenset(("aten.cat.default", "aten.stack.default"))  # backward: views of one
 __all__ = ["StampMismatch", "Stamper"]
 
 
@@ -56,6 +57,8 @@ class Stamper:
         self.firsts: list[tuple[Template, int, int, list[int]]] = []
         self.instances: list[tuple[Template, int, int, list[int]]] = []
         self._inside = 0  # unit calls under way
+        # Keys whose first call's consumers are not read yet: (ops then, its output value)
+        self._unread: dict[tuple[Any, ...], tuple[int, int]] = {}
         self._called: set[int] = set()  # units called so far (a second call shares weights)
 
     @contextmanager
@@ -99,6 +102,8 @@ class Stamper:
         if full not in self.templates:
             return self._learn(full, module, original, x, params)
         template = self.templates[full]
+        if template is not None and full in self._unread:
+            template = self._read_consumers(full, template)
         if template is None:
             return original(x)
         buffers = [sub._buffers[n] for sub, n in buffer_slots]
@@ -139,7 +144,20 @@ class Stamper:
             return out
         template = self.templates[full] = Template(forward, backward)
         self.firsts.append((template, op0, v0, outer))  # type: ignore[arg-type]
+        self._unread[full] = (len(tracer.ops), v0 + forward.out)
         return out
+
+    def _read_consumers(self, full: tuple[Any, ...], template: Template) -> Template | None:
+        """Before the first stamp of a key: how the first call's output was consumed since.
+        A view of it (a linear layer's reshape) or a concatenation (a U-Net's skip) hands the
+        unit a gradient that is a view, which no template foresees: the capture would fall
+        back, so the key is not stamped."""
+        start, out = self._unread.pop(full)
+        if any(out in op.inputs and (op.target in _VIEW_GRADS or not (op.outputs or op.mutated))
+               for op in self.tracer.ops[start:]):
+            self.templates[full] = None
+            return None
+        return template
 
     def end_forward(self) -> None:
         """After the tracer read every node's saves: stamped ops get their template's, and the
