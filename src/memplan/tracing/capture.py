@@ -9,6 +9,7 @@ import torch
 
 from memplan.core import graph as g
 from memplan.core.liveness import cut_points
+from memplan.tracing.stamp import StampMismatch
 from memplan.tracing.step import LossFn, Target, as_target, no_cyclic_gc, run_step
 from memplan.tracing.tracer import StepTracer
 
@@ -26,9 +27,15 @@ def capture(model: Any, *inputs: Any, loss_fn: LossFn | None = None,
 
 
 def capture_target(target: Target, device: str | None = None, fast: bool = True) -> g.Graph:
-    """``capture`` of a Target (``fast=False``: the reference path, see ``step.run_step``)."""
+    """``capture`` of a Target (``fast=False``: the reference path, see ``step.run_step``).
+    The fast path stamps repeated module calls (``stamp``); where a stamp cannot be made
+    equal to a trace, the whole step is captured again unstamped."""
     with no_cyclic_gc():  # until the Graph is built: see step.no_cyclic_gc
-        result = run_step(target, simulate=True, record=True, device=device, fast=fast)
+        try:
+            result = run_step(target, simulate=True, record=True, device=device, fast=fast,
+                              stamp=fast)
+        except StampMismatch:
+            result = run_step(target, simulate=True, record=True, device=device, fast=fast)
         tracer = result.tracer
         n = tracer.model_ops
         forward = g.ForwardSpec(n, g.forward_fingerprint([o.target for o in tracer.ops[:n]]),

@@ -30,6 +30,7 @@ from memplan.tracing.fake import (
 )
 from memplan.tracing.module_hooks import module_hooks
 from memplan.tracing.opcache import FakeOpCache
+from memplan.tracing.stamp import Stamper
 from memplan.tracing.tracer import StepTracer
 
 LossFn = Callable[[Any], torch.Tensor]
@@ -113,13 +114,14 @@ def _fake_mode(simulate: bool) -> Iterator[FakeTensorMode | None]:
 
 
 def run_step(target: Target, *, simulate: bool, record: bool, device: str | None = None,
-             fast: bool = True) -> StepResult:
+             fast: bool = True, stamp: bool = False) -> StepResult:
     """One forward+loss+backward under a tracer. Fake tensors when ``simulate``; ops whose
     output depends on tensor data are then sized from one real forward (``datadep``).
     ``fast=False`` runs every op through the fake mode itself and builds a Workload on fake
     tensors (the reference the fast path is tested against: the same Graph). A recorded fake
     step hands autograd proxies of what it saves (``StepTracer.pack``), so each value's
-    death in the user's code is seen too (``Value.death_unsaved``)."""
+    death in the user's code is seen too (``Value.death_unsaved``). ``stamp`` (a recorded
+    fast fake step): repeated module calls stamped from their first (``stamp``)."""
     if not simulate:
         return _run_step(target, None, record, device, fast)
 
@@ -129,7 +131,7 @@ def run_step(target: Target, *, simulate: bool, record: bool, device: str | None
 
     try:
         result: StepResult = run_with_oracle(
-            lambda oracle: _run_step(target, oracle, record, device, fast), real)
+            lambda oracle: _run_step(target, oracle, record, device, fast, stamp), real)
         return result
     except MemplanError:
         raise
@@ -160,7 +162,7 @@ class _Step:
 
 
 def _run_step(target: Target, oracle: Oracle | None, record: bool, device: str | None,
-              fast: bool) -> StepResult:
+              fast: bool, stamp: bool = False) -> StepResult:
     simulate = oracle is not None
     meta_model = None
     if simulate and fast and target.workload is not None:
@@ -186,8 +188,9 @@ def _run_step(target: Target, oracle: Oracle | None, record: bool, device: str |
         saves: Any = contextlib.nullcontext()
         if record and fake is not None:  # saves apart from their values: tracer.pack
             saves = torch.autograd.graph.saved_tensors_hooks(tracer.pack, tracer.unpack)
+        stamper = Stamper(tracer, step.model) if stamp and record and cache is not None else None
         with module_hooks(tracer, step.model) if record else contextlib.nullcontext(), tracer:
-            with saves:
+            with saves, stamper.installed() if stamper else contextlib.nullcontext():
                 tracer.in_model = True
                 out = step.call(*step.inputs)
                 tracer.in_model = False
@@ -195,10 +198,14 @@ def _run_step(target: Target, oracle: Oracle | None, record: bool, device: str |
                 loss = target.loss_fn(out)
             _check_loss(loss)
             tracer.end_forward()
+            if stamper is not None:
+                stamper.end_forward()
             output_ids = tuple(
                 i for i in (tracer._lookup(t) for t in _tensors((out, loss))) if i is not None
             )
             loss.backward()  # type: ignore[no-untyped-call]
+        if stamper is not None:
+            stamper.finish()
         param_list = list(step.params.values())
         for p in param_list:
             if p.grad is not None:

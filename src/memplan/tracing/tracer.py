@@ -111,6 +111,7 @@ class StepTracer(AutogradNodes, TorchDispatchMode):  # type: ignore[no-untyped-c
         self._orphaned: set[int] = set()
         self._packed: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[torch.Tensor]]] = {}
         self.user_deaths: dict[int, int] = {}
+        self.frees = 0  # storage and proxy deaths seen: a stamped call must see none (stamp)
 
     # --- storages ----------------------------------------------------------------------------
 
@@ -159,6 +160,7 @@ class StepTracer(AutogradNodes, TorchDispatchMode):  # type: ignore[no-untyped-c
 
     def _on_free(self, ref: weakref.ref[Any]) -> None:
         key, vid = self._watched.pop(ref)
+        self.frees += 1
         if vid < 0:  # the real tensor behind a fake copy: forget it (its copy lives on)
             if self._by_storage.get(key) is not None:
                 del self._by_storage[key]
@@ -214,6 +216,7 @@ class StepTracer(AutogradNodes, TorchDispatchMode):  # type: ignore[no-untyped-c
 
     def _on_proxy_free(self, ref: weakref.ref[Any]) -> None:
         key, vid = self._proxy_watch.pop(ref)
+        self.frees += 1
         if self._by_storage.get(key) == vid:
             del self._by_storage[key]
         left = self._proxies[vid] - 1

@@ -1,0 +1,272 @@
+"""Trace once and stamp (issue 14, item 3): a module called again with what its first call had
+(same structure, parameters' and input's specs, grad mode, autocast) runs its Python with the
+tracer paused, inside one autograd node, and the records of its first call are emitted for it,
+renumbered (``stamp_template``); its backward emits the template's backward records and hands
+autograd gradients of the right specs. The Graph is the one the slow path records: tests/
+tracing/test_stamp.py holds it to that, field by field.
+
+Stamped: calls with one tensor input that requires grad and one tensor output made inside
+(not a view written in place), of a module (not a leaf) repeated in the model with parameters
+of its own (no weights registered twice), no hooks, called once, whose first call and side run
+(``stamp_template``) read nothing from outside it. Anything else is traced as before.
+Whatever a stamped call meets that its template did not foresee raises ``StampMismatch`` and
+the capture runs again, unstamped: a tracked tensor dies while it runs; its incoming gradient
+is a view, has other strides, or is shared and added to inside the unit; its backward never
+runs; a weight of it gets gradients from elsewhere too; a first call's own backward is not its
+side run's (``stamp_check``). ``benchmarks/capture_stamp_zoo.py`` compares every zoo entry.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+
+from memplan.tracing import stamp_emit
+from memplan.tracing.stamp_check import foresaw
+from memplan.tracing.stamp_template import (
+    Ineligible,
+    StampMismatch,
+    Template,
+    read_forward,
+    side_run,
+)
+from memplan.tracing.tracer import StepTracer
+
+_PLAIN = (int, float, bool, str, type(None))
+_VIEW_GRADS = frozenset(("aten.cat.default", "aten.stack.default"))  # backward: views of one
+__all__ = ["StampMismatch", "Stamper"]
+
+
+class Stamper:
+    """Stamps repeated module calls under ``root`` into ``tracer``'s records."""
+
+    def __init__(self, tracer: StepTracer, root: torch.nn.Module) -> None:
+        self.tracer = tracer
+        self.names = {id(m): name for name, m in root.named_modules()}
+        self.units = _units(root)
+        self.templates: dict[tuple[Any, ...], Template | None] = {}
+        self.stamped = 0  # calls stamped
+        self.backward_done = 0  # of which the backward ran
+        self.handed: list[tuple[torch.Tensor, int | None]] = []  # (param, grad value handed)
+        # (template, first op, first value, outer values) of each first call and stamped call
+        self.firsts: list[tuple[Template, int, int, list[int]]] = []
+        self.instances: list[tuple[Template, int, int, list[int]]] = []
+        self._inside = 0  # unit calls under way
+        # Keys whose first call's consumers are not read yet: (ops then, its output value)
+        self._unread: dict[tuple[Any, ...], tuple[int, int]] = {}
+        self._called: set[int] = set()  # units called so far (a second call shares weights)
+
+    @contextmanager
+    def installed(self) -> Iterator[None]:
+        """Each unit's ``forward`` goes through the stamp while the block runs."""
+        patched = []
+        for module, key in self.units:
+            original = module.forward
+            module.forward = self._wrap(module, original, (key, _slots(module)))
+            patched.append(module)
+        try:
+            yield
+        finally:
+            for module in patched:
+                del module.forward
+
+    def _wrap(self, module: torch.nn.Module, original: Callable[..., Any], key: Any
+              ) -> Callable[..., Any]:
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            # Inside a unit being traced, stamped or side-run, a unit is part of it.
+            if self._inside or kwargs or len(args) != 1:
+                return original(*args, **kwargs)
+            self._inside += 1
+            try:
+                return self._call(module, original, key, args[0])
+            finally:
+                self._inside -= 1
+        return forward
+
+    def _call(self, module: torch.nn.Module, original: Callable[..., Any], key: Any,
+              x: Any) -> Any:
+        if type(x) is not FakeTensor or not x.requires_grad or not torch.is_grad_enabled():
+            return original(x)
+        key, (param_slots, buffer_slots) = key
+        params = [sub._parameters[n] for sub, n in param_slots]
+        if id(module) in self._called or any(p.grad is not None for p in params):
+            return original(x)  # its grads would be added to: the shared-weight case
+        self._called.add(id(module))
+        full = (key, tuple(x.shape), x.stride(), x.dtype, x.device, x.storage_offset(), x._is_view(),
+                _autocast(), tuple((p.shape, p.dtype, p.requires_grad) for p in params))
+        if full not in self.templates:
+            return self._learn(full, module, original, x, params)
+        template = self.templates[full]
+        if template is not None and full in self._unread:
+            template = self._read_consumers(full, template)
+        if template is None:
+            return original(x)
+        buffers = [sub._buffers[n] for sub, n in buffer_slots]
+        outer = [self.tracer._lookup(t) for t in (x, *params, *buffers)]
+        if any(v is None for v in outer):
+            return original(x)
+        self.stamped += 1
+        return stamp_emit.Unit.apply(  # type: ignore[no-untyped-call]
+            self, template, module, original, outer, x, *params)
+
+    def _learn(self, full: tuple[Any, ...], module: torch.nn.Module,
+               original: Callable[..., Any], x: torch.Tensor, params: list[torch.Tensor]) -> Any:
+        """The first call: traced as always, then read as the template of later calls."""
+        tracer = self.tracer
+        buffers = [b for _, b in module.named_buffers()]
+        outer = [tracer._lookup(t) for t in (x, *params, *buffers)]
+        if tracer._pending:
+            tracer._hook_pending_nodes()
+        op0, v0, c0 = len(tracer.ops), len(tracer.values), len(tracer.module_calls)
+        frees, deaths = tracer.frees, len(tracer.user_deaths)
+        out = original(x)
+        self.templates[full] = None
+        if any(v is None for v in outer) or type(out) is not FakeTensor \
+                or tracer.event != len(tracer.ops) - 1:
+            return out
+        # Storages from outside the unit dying inside it: their events are not the unit's.
+        if tracer.frees - frees != len(tracer.user_deaths) - deaths \
+                or any(v < v0 for v in list(tracer.user_deaths)[deaths:]):
+            return out
+        path = self.names[id(module)]
+        try:
+            forward = read_forward(tracer, path, op0, v0, c0, outer, out)  # type: ignore[arg-type]
+            _no_oracle_ops(tracer, forward)
+            names = ([n for n, _ in module.named_parameters()],
+                     [n for n, _ in module.named_buffers()])
+            backward = side_run(tracer, module, forward, names, x, params, buffers)
+        except Ineligible:
+            return out
+        template = self.templates[full] = Template(forward, backward)
+        self.firsts.append((template, op0, v0, outer))  # type: ignore[arg-type]
+        self._unread[full] = (len(tracer.ops), v0 + forward.out)
+        return out
+
+    def _read_consumers(self, full: tuple[Any, ...], template: Template) -> Template | None:
+        """Before the first stamp of a key: how the first call's output was consumed since.
+        A view of it (a linear layer's reshape) or a concatenation (a U-Net's skip) hands the
+        unit a gradient that is a view, which no template foresees: the capture would fall
+        back, so the key is not stamped."""
+        start, out = self._unread.pop(full)
+        if any(out in op.inputs and (op.target in _VIEW_GRADS or not (op.outputs or op.mutated))
+               for op in self.tracer.ops[start:]):
+            self.templates[full] = None
+            return None
+        return template
+
+    def end_forward(self) -> None:
+        """After the tracer read every node's saves: stamped ops get their template's, and the
+        first calls' own saves must be the side runs' (else the stamp was wrong)."""
+        ops = self.tracer.ops
+        for stamped, calls in ((False, self.firsts), (True, self.instances)):
+            for template, op0, f0, outer in calls:
+                for k, codes in enumerate(template.backward.saved):
+                    saved = [stamp_emit.vid(c, f0, outer, 0) for c in codes]
+                    if stamped:
+                        ops[op0 + k].saved = saved
+                    elif ops[op0 + k].saved != saved:
+                        raise StampMismatch(f"op {op0 + k} saved {ops[op0 + k].saved}, "
+                                            f"its side run {saved}")
+
+    def finish(self) -> None:
+        """Every stamped call's backward must have run (saves of a node that never ran die
+        when the graph does: the template does not know when)."""
+        if self.backward_done != self.stamped:
+            raise StampMismatch(f"{self.stamped - self.backward_done} stamped backwards never ran")
+        used = {id(template) for template, *_ in self.instances}
+        for template, op0, f0, outer in self.firsts:
+            if id(template) in used and not foresaw(self.tracer, template, op0, f0, outer):
+                raise StampMismatch(f"{template.forward.path}'s backward is not its side run's")
+        # A weight used outside its unit too: autograd added the grads, after the template.
+        if any(p.grad is None or self.tracer._lookup(p.grad) != vid for p, vid in self.handed):
+            raise StampMismatch("a stamped unit's parameter got gradients from elsewhere too")
+
+
+def _autocast() -> tuple[Any, ...]:
+    return tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
+                 for d in ("cpu", "cuda"))
+
+
+def _no_oracle_ops(tracer: StepTracer, forward: Any) -> None:
+    """A data-dependent op takes the next answer of the real forward: not stampable."""
+    oracle = tracer.oracle
+    if oracle is None:
+        return
+    watched = {info.target for func, info in tracer._info.values() if oracle.watched(func)}
+    if any(op[0] in watched for op in forward.ops):
+        raise Ineligible("a data-dependent op")
+
+
+def _units(root: torch.nn.Module) -> list[tuple[torch.nn.Module, int]]:
+    """Modules repeated under ``root`` (same structure, hyperparameters and parameter specs),
+    with parameters of their own and no hooks: (module, structural key). A unit inside
+    another is stamped only where the outer one is not (its call has two arguments, say)."""
+    keys: dict[int, int] = {}
+    _structure(root, keys, {})
+    counts = Counter(keys.values())
+    owners: Counter[int] = Counter(id(p) for _, p in root.named_parameters(remove_duplicate=False))
+    calls: Counter[int] = Counter(id(m) for _, m in root.named_modules(remove_duplicate=False))
+    units: list[tuple[torch.nn.Module, int]] = []
+    for name, m in root.named_modules():
+        if not name:
+            continue
+        # A leaf module is one op or two: not worth a template (and its output's gradient is
+        # often handed to a sibling too, as add's backward does).
+        if counts[keys[id(m)]] < 2 or not m._modules or calls[id(m)] > 1 or "forward" in vars(m):
+            continue
+        mine = Counter(id(p) for _, p in m.named_parameters(remove_duplicate=False))
+        if not mine or any(owners[k] != n for k, n in mine.items()) or _hooked(m):
+            continue
+        units.append((m, keys[id(m)]))
+    return units
+
+
+def _slots(module: torch.nn.Module) -> tuple[list[tuple[torch.nn.Module, str]], ...]:
+    """Where ``module.named_parameters()`` and ``named_buffers()`` read their tensors, in
+    their order: read at each call, as ``functional_call`` swaps what they hold."""
+    params: list[tuple[torch.nn.Module, str]] = []
+    buffers: list[tuple[torch.nn.Module, str]] = []
+    seen: set[int] = set()
+    for _, sub in module.named_modules():
+        for slots, found in ((params, sub._parameters), (buffers, sub._buffers)):
+            for name, t in found.items():
+                if t is not None and id(t) not in seen:
+                    seen.add(id(t))
+                    slots.append((sub, name))
+    return params, buffers
+
+
+def _hooked(m: torch.nn.Module) -> bool:
+    return any(getattr(s, a) for s in m.modules() for a in (
+        "_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks"))
+
+
+def _structure(m: torch.nn.Module, keys: dict[int, int], ids: dict[Any, int]) -> int:
+    """What a module's forward may depend on besides its input (class, plain attributes such
+    as stride, eps and training, other attributes by identity, parameters' and buffers' specs,
+    children), numbered: equal numbers, equal structures. Fills ``keys`` for every module."""
+    attrs = tuple((k, _frozen(v) if _plain(v) else ("id", id(v)))
+                  for k, v in sorted(vars(m).items()) if not k.startswith("_"))
+    tensors = tuple((n, tuple(t.shape), t.dtype, t.requires_grad)
+                    for n, t in (*m._parameters.items(), *m._buffers.items()) if t is not None)
+    children = tuple((n, _structure(c, keys, ids)) for n, c in m._modules.items()
+                     if c is not None)
+    key = (type(m).__qualname__, type(m).__module__, attrs, tensors, children)
+    keys[id(m)] = number = ids.setdefault(key, len(ids))
+    return number
+
+
+def _frozen(v: Any) -> Any:
+    """A plain value, hashable (lists as tuples)."""
+    return tuple(_frozen(x) for x in v) if isinstance(v, (list, tuple)) else v
+
+
+def _plain(v: Any) -> bool:
+    if isinstance(v, _PLAIN):
+        return True
+    return isinstance(v, (tuple, list)) and all(_plain(x) for x in v)

@@ -1,0 +1,220 @@
+"""A stamped call (``stamp``): one autograd node whose forward runs the unit's Python with the
+tracer paused and emits its template's forward records, and whose backward emits the template's
+backward records and hands autograd gradients of the template's specs.
+
+Emitted records follow the tracer's own order at every event: the op, the values it makes, the
+peak, then what dies after it. Values that stay inside the unit are records only; the unit's
+output and the gradients it hands on are real fake tensors, tracked by the tracer as any other,
+so their deaths outside the unit are seen as the slow path sees them. The unit's input and
+output, where the unit saves them, are held by a save proxy (``StepTracer.pack``) until the
+template's node that saved them is released, as autograd would hold them.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+
+from memplan.core import graph as g
+from memplan.tracing.opcache import fake_tensor
+from memplan.tracing.stamp_template import NEW, StampMismatch, Template, tensor_spec
+from memplan.tracing.tracer import StepTracer, _OpRec, _ValueRec
+
+if TYPE_CHECKING:
+    from memplan.tracing.stamp import Stamper
+
+_META = torch.device("meta")
+
+
+def vid(code: int, f0: int, outer: list[int], n0: int) -> int:
+    """The value id a template code stands for in one call (see ``stamp_template``)."""
+    if code >= NEW:
+        return n0 + code - NEW
+    if code >= 0:
+        return f0 + code
+    return outer[-1 - code]
+
+
+class Unit(torch.autograd.Function):
+    """One stamped call: ``apply(stamper, template, module, original, outer, x, *params)``."""
+
+    @staticmethod
+    def forward(ctx: Any, stamper: Stamper, template: Template, module: Any, original: Any,
+                outer: list[int], x: torch.Tensor, *params: torch.Tensor) -> Any:
+        tracer = stamper.tracer
+        if tracer._pending:  # as the unit's first op would have
+            tracer._hook_pending_nodes()
+        frees = tracer.frees
+        with tracer.paused():
+            out = original(x)
+        if tracer.frees != frees or type(out) is not FakeTensor \
+                or tracer._lookup(out) is not None:
+            raise _mismatch("a stamped call freed a tracked tensor or returned one it read")
+        op0, f0 = len(tracer.ops), len(tracer.values)
+        emit_forward(tracer, template, stamper.names[id(module)], out, outer)
+        stamper.instances.append((template, op0, f0, outer))
+        ctx.state = (stamper, template, op0, f0, outer, _proxies(tracer, template, x, out))
+        ctx.specs = [(x.device, x.dtype)] + [(p.device, p.dtype) for p in params]
+        ctx.needs = [t.requires_grad for t in (x, *params)]
+        ctx.params = params
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        stamper, template, op0, f0, outer, proxies = ctx.state
+        ctx.state = None
+        made = emit_backward(stamper.tracer, template, op0, f0, outer, grads[0], proxies,
+                             ctx.specs)
+        stamper.backward_done += 1
+        # Each parameter's grad must end as handed (nothing else adds to it): ``finish``.
+        stamper.handed.extend((p, stamper.tracer._lookup(made[k + 1]))
+                              for k, p in enumerate(ctx.params) if k + 1 in made)
+        handed = [made.get(k) if need else None for k, need in enumerate(ctx.needs)]
+        return (None, None, None, None, None, *handed)
+
+
+def _mismatch(why: str) -> Exception:
+    return StampMismatch(why)
+
+
+def _proxies(tracer: StepTracer, template: Template, x: torch.Tensor, out: torch.Tensor
+             ) -> dict[int, list[torch.Tensor]]:
+    """Save proxies of the unit's input and output, by the event their saver releases them."""
+    held: dict[int, list[torch.Tensor]] = {}
+    for code, release in template.backward.proxies:
+        t = x if code == -1 else out
+        held.setdefault(release, []).append(tracer.pack(t))
+    return held
+
+
+def emit_forward(tracer: StepTracer, template: Template, path: str, out: torch.Tensor,
+                 outer: list[int]) -> None:
+    """The template's forward records for one call starting now."""
+    fwd = template.forward
+    op0, f0 = len(tracer.ops), len(tracer.values)
+    values, ops = tracer.values, tracer.ops
+    births: dict[int, list[int]] = {}
+    for k, v in enumerate(fwd.values):
+        births.setdefault(v[4], []).append(k)
+    for i, (target, module, inputs, outputs, mutated, flops) in enumerate(fwd.ops):
+        tracer.event = op0 + i
+        ops.append(_OpRec(op0 + i, target, path + module, [vid(c, f0, outer, 0) for c in inputs],
+                          [f0 + c for c in outputs], [vid(c, f0, outer, 0) for c in mutated],
+                          [], flops))
+        for k in births.get(i, ()):
+            nbytes, shape, dtype, numel, _, _, own = fwd.values[k]
+            if k == fwd.out:
+                storage = out.untyped_storage()
+                if tracer._add(out, storage, g.ACTIVATION, op0 + i) != f0 + k \
+                        or storage.nbytes() != nbytes:
+                    raise _mismatch("the output is not the template's")
+                values[f0 + k].shape = shape  # its op's shape (the unit may return a view)
+                continue
+            values.append(_ValueRec(f0 + k, nbytes, g.ACTIVATION, op0 + i, op0 + i, None,
+                                    shape, dtype, numel))
+            tracer.live_bytes += nbytes
+            if own is not None:
+                tracer.user_deaths[f0 + k] = op0 + own
+        tracer._note_peak()
+        for k in fwd.deaths.get(i, ()):
+            rec = values[f0 + k]
+            rec.death = op0 + i
+            tracer.live_bytes -= rec.nbytes
+    for suffix, start, end, depth, leaf in fwd.calls:
+        tracer.module_calls.append(g.ModuleCall(path + suffix, op0 + start, op0 + end, depth, leaf))
+
+
+def emit_backward(tracer: StepTracer, template: Template, op0: int, f0: int, outer: list[int],
+                  grad: Any, proxies: dict[int, list[torch.Tensor]],
+                  specs: list[tuple[torch.device, torch.dtype]]) -> dict[int, torch.Tensor]:
+    """The template's backward records for one call, starting after the current event;
+    returns the gradients to hand on, by position among (input, *params)."""
+    bwd = template.backward
+    gvid = tracer._lookup(grad) if isinstance(grad, torch.Tensor) else None
+    # The incoming gradient: autograd alone holds it (then it dies after the unit's first op,
+    # as templated), or also another node's input buffer (add's backward hands one tensor to
+    # both branches: then it outlives the unit, tracked as any tensor; never accumulated into
+    # inside the unit then: autograd accumulates in place only into a tensor nothing else
+    # holds). Never a view (its base's holder decides when it dies); its strides decide how
+    # autograd reshapes it: the template's.
+    shared = gvid is not None and grad._use_count() > 1
+    holders = torch._C._storage_Use_Count(grad.untyped_storage()._cdata) - 1  # this call's
+    if gvid is None or tracer._proxies.get(gvid) or tensor_spec(grad) != bwd.incoming_spec \
+            or grad._is_view() or holders > grad._use_count() \
+            or (shared and not bwd.incoming_read_only) or not (shared or _unwatch(tracer, grad)):
+        raise _mismatch("the incoming gradient is not one the template foresaw")
+    incoming = -1 - len(outer)
+    outer = [*outer, gvid]
+    ws, n0 = tracer.event, len(tracer.values)
+    values, ops = tracer.values, tracer.ops
+    births: dict[int, list[int]] = {}
+    for k, v in enumerate(bwd.values):
+        births.setdefault(v[4], []).append(k)
+    for i, (unpack, release) in enumerate(bwd.events):
+        ops[op0 + i].unpack_event = -1 if unpack < 0 else ws + unpack
+        ops[op0 + i].release_event = -1 if release < 0 else ws + release
+    made: dict[int, torch.Tensor] = {}
+    ops_at = {ws + 1 + k: op for k, op in enumerate(bwd.ops)}
+    backward_ops = tracer.backward_ops
+    n_fwd = len(ops)
+    for r in range(bwd.length + 1):
+        e = ws + r
+        tracer.event = e
+        op = ops_at.get(e)
+        if op is not None and e - n_fwd - len(backward_ops) != 0:
+            raise _mismatch("backward events out of step")
+        if op is not None:
+            target, inputs, outputs, mutated, flops, grad_of = op
+            fwd_op = ops[op0 + grad_of]
+            backward_ops.append(_OpRec(
+                len(backward_ops), target, fwd_op.module, [vid(c, f0, outer, n0) for c in inputs],
+                [n0 + c for c in outputs], [vid(c, f0, outer, n0) for c in mutated], [], flops, 0,
+                op0 + grad_of))
+            fwd_op.bwd_flops += flops
+        for k in births.get(r, ()):
+            _birth(tracer, bwd, k, n0, made, specs)
+        if op is not None:
+            tracer._note_peak()
+        for c in bwd.deaths.get(r, ()):
+            if shared and c == incoming:
+                continue
+            rec = values[vid(c, f0, outer, n0)]
+            rec.death = e
+            tracer.live_bytes -= rec.nbytes
+        proxies.pop(r, None)  # the proxies' own callbacks record the deaths, at this event
+    tracer._grad_of = op0 + bwd.last_grad_of
+    return made
+
+
+def _birth(tracer: StepTracer, bwd: Any, k: int, n0: int, made: dict[int, torch.Tensor],
+           specs: list[tuple[torch.device, torch.dtype]]) -> None:
+    nbytes, shape, dtype, numel, _ = bwd.values[k]
+    real = bwd.real.get(k)
+    if real is None:
+        tracer.values.append(_ValueRec(n0 + k, nbytes, g.BACKWARD, -1, tracer.event, None,
+                                       shape, dtype, numel))
+        tracer.live_bytes += nbytes
+        return
+    position, size, stride = real
+    device, torch_dtype = specs[position]
+    with torch._C._DisableTorchDispatch():  # a fake tensor made as the fake mode makes one
+        elem = torch.empty_strided(size, stride, dtype=torch_dtype, device=_META)
+    t = fake_tensor(tracer.fake, elem, device)  # type: ignore[arg-type]
+    storage = t.untyped_storage()
+    if tracer._add(t, storage, g.BACKWARD, -1) != n0 + k or storage.nbytes() != nbytes:
+        raise _mismatch("a handed-on gradient is not the template's")
+    tracer.values[n0 + k].shape = shape  # the shape it was made with (a view of it is handed)
+    made[position] = t
+
+
+def _unwatch(tracer: StepTracer, t: torch.Tensor) -> bool:
+    """Stop tracking ``t``'s storage (the stamp records its death): False if not tracked."""
+    storage = t.untyped_storage()
+    entry = tracer._watched.pop(weakref.ref(storage), None)
+    if entry is None:
+        return False
+    tracer._by_storage.pop(storage._cdata, None)
+    return True

@@ -1,0 +1,190 @@
+"""Trace-once-and-stamp capture (issue 14, item 3) makes the same Graph as the reference path:
+repeated units (ResNet bottlenecks, GPT blocks) stamped from their first call, field by field;
+units that only look repeated (a stride change, shared weights) are traced, not stamped."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import fields
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from memplan.core.graph import Graph
+from memplan.tracing import capture, stamp
+from memplan.tracing.capture import capture_target
+from memplan.tracing.step import Target, as_target
+from tests.small import small
+
+
+class ConvUnit(nn.Module):
+    """conv3x3-bn-relu plus a second conv: same parameters whatever the stride."""
+
+    def __init__(self, ch: int, stride: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(ch, ch, 3, stride=stride, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(ch)
+        self.out = nn.Conv2d(ch, ch, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y: torch.Tensor = self.out(torch.relu(self.bn(self.conv(x))))
+        return y
+
+
+class StrideChange(nn.Module):
+    """Units 0-1 and 3-4 repeat; unit 2 has their parameters and input but stride 2."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(4, 4, 1)  # the units' input requires grad
+        self.units = nn.Sequential(*(ConvUnit(4, 2 if i == 2 else 1) for i in range(5)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y: torch.Tensor = self.units(self.stem(x))
+        return y
+
+
+class Shared(nn.Module):
+    """Two calls of one unit (shared weights: their grads add up): the second is not stamped,
+    and the first's backward (with those adds) is not its side run's, so the template is not
+    trusted for the unit of the same structure between them: the capture falls back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(4, 4, 1)
+        self.unit = ConvUnit(4, 1)
+        self.other = ConvUnit(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y: torch.Tensor = self.unit(self.other(self.unit(self.stem(x))))
+        return y
+
+
+class Parallel(nn.Module):
+    """Two units of one structure side by side, summed: add's backward hands both the same
+    gradient tensor, which outlives the second (stamped) unit's backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(4, 4, 1)
+        self.a = ConvUnit(4, 1)
+        self.b = ConvUnit(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x)
+        y: torch.Tensor = self.a(h) + self.b(h)
+        return y
+
+
+class WeightReused(nn.Module):
+    """A stamped unit's weight read again outside it (its grads add up after the unit's
+    backward, which its template does not foresee): the capture falls back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(4, 4, 1)
+        self.units = nn.Sequential(ConvUnit(4, 1), ConvUnit(4, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.units(self.stem(x))
+        out: torch.Tensor = torch.nn.functional.conv2d(y, self.units[1].out.weight)
+        return out
+
+
+class Layer(nn.Module):
+    """An HF-style decoder layer: two arguments (so not stamped itself), a residual add
+    around an MLP of one argument on 3-d input, whose output is a view of a matmul's: the
+    MLP is stamped, and add's backward hands its gradient to the residual too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(8)
+        self.mlp = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+
+    def forward(self, x: torch.Tensor, scale: float) -> torch.Tensor:
+        y: torch.Tensor = x + self.mlp(self.norm(x)) * scale
+        return y
+
+
+class ResidualMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(4, 8)
+        self.layers = nn.ModuleList(Layer() for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x.flatten(2).transpose(1, 2))
+        for layer in self.layers:
+            h = layer(h, 0.5)
+        return h
+
+
+class MLPStack(nn.Module):
+    """MLPs on 3-d input, one after another (the HF MLP without its residual): stamped."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(4, 8)
+        self.mlps = nn.Sequential(*(nn.Sequential(nn.Linear(8, 8), nn.GELU()) for _ in range(3)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y: torch.Tensor = self.mlps(self.embed(x.flatten(2).transpose(1, 2)))
+        return y
+
+
+def _user(model: Callable[[], nn.Module]) -> Callable[[], Target]:
+    def make() -> Target:
+        torch.manual_seed(0)
+        return as_target(model(), (torch.randn(2, 4, 8, 8),), lambda out: out.square().mean())
+    return make
+
+
+CASES: dict[str, tuple[Callable[[], Target], int | None]] = {
+    # (target, how many unit calls are stamped; None: the stamp falls back, unstamped)
+    "resnet50": (lambda: as_target(small("resnet", depth=50), (), None), 8),
+    "resnet50_dropout": (lambda: as_target(small("resnet", depth=50, dropout=0.1), (), None), 8),
+    "gpt3": (lambda: as_target(small("gpt", layers=3), (), None), 2),
+    "gpt3_dropout": (lambda: as_target(small("gpt", layers=3, dropout=0.1), (), None), 2),
+    "stride_change": (_user(StrideChange), 2),
+    "shared": (_user(Shared), None),
+    "parallel": (_user(Parallel), 1),
+    "weight_reused": (_user(WeightReused), None),
+    "residual_mlp": (_user(ResidualMLP), 2),
+    "mlp_stack": (_user(MLPStack), 2),
+}
+
+
+def _stamped_capture(make: Callable[[], Target], monkeypatch: Any) -> tuple[Graph, int | None]:
+    """The fast capture, and how many calls it stamped (None: it fell back to no stamp)."""
+    made: list[stamp.Stamper] = []
+    init = stamp.Stamper.__init__
+
+    def keep(self: stamp.Stamper, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    steps = []
+    run_step = capture.run_step
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        steps.append(kwargs.get("stamp"))
+        return run_step(*args, **kwargs)
+
+    monkeypatch.setattr(stamp.Stamper, "__init__", keep)
+    monkeypatch.setattr(capture, "run_step", counted)
+    graph = capture.capture_target(make(), fast=True)
+    assert len(made) == 1 and steps[0] is True
+    return graph, made[0].stamped if len(steps) == 1 else None
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_stamped_capture_equals_the_reference_path(case: str, monkeypatch: Any) -> None:
+    make, expect_stamped = CASES[case]
+    fast, stamped = _stamped_capture(make, monkeypatch)
+    slow = capture_target(make(), fast=False)
+    for f in fields(Graph):
+        assert getattr(fast, f.name) == getattr(slow, f.name), f.name
+    assert fast.to_json() == slow.to_json()
+    assert stamped == expect_stamped
