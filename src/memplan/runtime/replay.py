@@ -233,8 +233,9 @@ def _keep(outs: list[torch.Tensor], e: int, want: dict[Pos, None],
             env[p] = o
 
 
-def _ext_value(leaf: Ext, tape: Tape, what: str) -> torch.Tensor:
-    """An outside tensor as the scope read it: never a value changed since."""
+def _ext_value(leaf: Ext, tape: Tape, what: object) -> torch.Tensor:
+    """An outside tensor as the scope read it: never a value changed since. ``what`` read
+    it (an op, or a text), formatted only for the error (an op's name costs microseconds)."""
     t = leaf.tensor
     if leaf.mode != READ:
         return t.clone()  # the op writes it: write a copy
@@ -259,7 +260,7 @@ def _rebuild(entry: OpEntry, env: dict[Pos, torch.Tensor], tape: Tape
         if isinstance(leaf, Ref):
             vals.append(env[leaf.pos])
         elif isinstance(leaf, Ext):
-            vals.append(_ext_value(leaf, tape, str(entry.func)))
+            vals.append(_ext_value(leaf, tape, entry.func))
         else:
             vals.append(leaf)
     return unflatten_args(vals, entry.spec)
