@@ -17,6 +17,7 @@ from memplan.runtime.handles import HandleTable
 from memplan.runtime.layout import Template
 
 Pos = tuple[int, int]  # (tape entry, output index); a unit's saves are table rows (runtime.handles)
+SavedMeta = tuple[tuple[torch.Size, ...], tuple[torch.dtype, ...]]  # a unit call's saves
 
 
 class Ref:
@@ -93,7 +94,7 @@ class UnitEntry:
     """A unit: a module call recorded whole, replayed by calling the module again."""
 
     __slots__ = ("autocast", "bound", "grad_enabled", "grads", "info", "leaves",
-                 "module", "n_outputs", "n_saved", "path", "refs", "spec", "versions")
+                 "module", "n_outputs", "n_saved", "path", "refs", "saved", "spec", "versions")
 
     def __init__(self, module: torch.nn.Module, path: str, info: UnitInfo) -> None:
         self.module = module
@@ -109,6 +110,9 @@ class UnitEntry:
         self.versions: list[int] = []
         self.n_saved = 0
         self.n_outputs = 0
+        # The shapes and dtypes of the tensors the call saved, in order: one tuple shared by
+        # the calls that saved alike (few objects for Python's collector; ``record``).
+        self.saved: SavedMeta = ((), ())
 
     @property
     def expensive(self) -> bool:
