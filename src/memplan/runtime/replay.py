@@ -304,18 +304,26 @@ def _run_unit(entry: UnitEntry, env: dict[Pos, torch.Tensor], tape: Tape, collec
         return None
 
     enable = entry.grad_enabled and (collect or grad)
-    with contextlib.ExitStack() as stack:
-        _bind(entry, stack, what)
-        for device, dtype in entry.autocast:
-            stack.enter_context(torch.autocast(device, dtype=dtype))
-        stack.enter_context(torch.enable_grad() if enable else torch.no_grad())
+    # The call's state set by hand, not by context managers: a region replays tens of units,
+    # and an ExitStack of four contexts cost more than a small call's Python.
+    restore = _bind(entry, what)
+    was_enabled = torch.is_grad_enabled()
+    try:
+        torch._C._set_grad_enabled(enable)
         if collect:
-            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(take, _identity))
+            torch._C._autograd._push_saved_tensors_default_hooks(take, _identity)
         try:
-            out = entry.module(*args, **kwargs)
-        except _Stop:
-            _check_saved(entry, saved)
-            return [], saved
+            out = _call(entry, args, kwargs)
+        finally:
+            if collect:
+                torch._C._autograd._pop_saved_tensors_default_hooks()
+            torch._C._set_grad_enabled(was_enabled)
+    except _Stop:
+        _check_saved(entry, saved)
+        return [], saved
+    finally:
+        for holder, key, value in reversed(restore):
+            holder[key] = value
     outs = tensor_leaves(out)
     if len(outs) != entry.n_outputs or (collect and len(saved) != entry.n_saved):
         raise _differs(entry, f"gave {len(outs)} tensors and saved {len(saved)} for "
@@ -353,14 +361,26 @@ def _meta(shape: tuple[int, ...], dtype: torch.dtype) -> str:
     return f"{list(shape)} {str(dtype).removeprefix('torch.')}"
 
 
-def _bind(entry: UnitEntry, stack: contextlib.ExitStack, what: str) -> None:
+def _call(entry: UnitEntry, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The module call, under the autocast its forward ran in."""
+    if not entry.autocast:
+        return entry.module(*args, **kwargs)
+    with contextlib.ExitStack() as stack:
+        for device, dtype in entry.autocast:
+            stack.enter_context(torch.autocast(device, dtype=dtype))
+        return entry.module(*args, **kwargs)
+
+
+def _bind(entry: UnitEntry, what: str) -> list[tuple[dict[str, Any], str, Any]]:
     """Bind the parameters and buffers the unit ran with (a functional_call or a
-    re-registration since then leaves other tensors there)."""
+    re-registration since then leaves other tensors there); what to put back after."""
     restore: list[tuple[dict[str, Any], str, Any]] = []
     for slot, rec, version in zip(entry.info.slots, entry.bound, entry.versions):
         if rec is None:
             continue
         if rec._version != version:
+            for holder, key, value in reversed(restore):
+                holder[key] = value
             raise ReplayError(
                 f"memplan: '{slot.name}', read by {what} in a recomputed part of the forward, "
                 f"was changed in place afterwards (version {version} then, {rec._version} "
@@ -370,12 +390,7 @@ def _bind(entry: UnitEntry, stack: contextlib.ExitStack, what: str) -> None:
         if slot.holder[slot.key] is not rec:
             restore.append((slot.holder, slot.key, slot.holder[slot.key]))
             slot.holder[slot.key] = rec
-
-    def undo() -> None:
-        for holder, key, value in reversed(restore):
-            holder[key] = value
-
-    stack.callback(undo)
+    return restore
 
 
 def _identity(x: Any) -> Any:
