@@ -6,6 +6,7 @@ taken first where the op writes it)."""
 from __future__ import annotations
 
 import enum
+import weakref
 from typing import Any
 
 import torch
@@ -27,10 +28,11 @@ from memplan.runtime.tape import (
     flatten_tree,
     storage_key,
     tensors,
+    write_spots,
     written_tensors,
 )
 
-_EXPENSIVE: dict[Any, bool] = {}
+_EXPENSIVE: dict[int, bool] = {}  # by the op's id, as tape.write_spots (ops live forever)
 # Arguments a unit may take: a call re-run in replay must compute what it computed, so it gets
 # only values it cannot change (tensors are checked by version). Any other object (HF's
 # DynamicCache appends the keys on every call) keeps the call on the op tape, whose replay
@@ -83,54 +85,66 @@ def record_op(scope: Scope, tapes: list[Tape], snaps: dict[tuple[Any, ...], torc
               func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Run an aten op of the scope and put it on its tape. ``tapes``: the forward's tapes
     (those that read what the op writes keep a copy first); ``snaps``: the forward's copies
-    of outside tensors taken before a write, one per (tensor, version)."""
+    of outside tensors taken before a write, one per (tensor, version). Every op of a scope
+    outside units comes here, so the common case (no write, tensors from the tape or read
+    as they are) takes the shortest path."""
     tape = scope.tape
     e = len(tape.entries)
     writes = written_tensors(func, args, kwargs)
-    written = {id(t): mode for t, mode in writes}
+    written: dict[int, int] | None = None
     if writes:
+        written = {id(t): mode for t, mode in writes}
         for other in tapes:  # this tape and earlier ones that read what it writes
             if other.outside:
                 other.keep_before_write([t for t, _ in writes], snaps)
     flat, spec = flatten_args(args, kwargs)
     leaves: list[Any] = []
     refs: list[Pos] = []
+    ids = tape.ids
+    nested = scope.parent is not None
     for leaf in flat:
         if not isinstance(leaf, torch.Tensor):
             leaves.append(leaf)
             continue
-        pos = tape.lookup(leaf)
-        if pos is not None:
+        hit = ids.get(id(leaf))
+        if hit is not None and hit[1]() is leaf:  # Tape.lookup, inlined
+            pos = hit[0]
             leaves.append(Ref(pos))
             refs.append(pos)
-            note_input(scope, pos)
+            if nested:
+                note_input(scope, pos)
             continue
-        mode = written.get(id(leaf), READ)
+        mode = READ if written is None else written.get(id(leaf), READ)
         if mode == SNAPSHOT:
-            # An outside tensor written in place: replay reads its value from before,
-            # and so does every earlier read of it at that version.
-            key = (storage_key(leaf), leaf._version)
-            snap = snaps.get(key)
-            if snap is None:
-                snap = snaps[key] = leaf.detach().clone()
-            tape.snaps[key] = snap
-            leaves.append(Ext(snap, -1, SNAPSHOT))
+            leaves.append(_snapshot(tape, snaps, leaf))
         else:
             leaves.append(Ext(leaf, leaf._version, mode))
             if mode == READ:
-                tape.note_outside(leaf)
+                tape.outside.append(leaf)  # Tape.note_outside
     out = func(*args, **kwargs)
-    expensive = _EXPENSIVE.get(func)
+    expensive = _EXPENSIVE.get(id(func))
     if expensive is None:
-        expensive = _EXPENSIVE[func] = is_expensive(str(func))
+        write_spots(func)  # keeps func alive: its id stays its key
+        expensive = _EXPENSIVE[id(func)] = is_expensive(str(func))
     held = expensive and scope.template.kind == "drop-cheap"
     for k, o in enumerate(tensors(out)):
-        tape.register(o, (e, k))
+        ids[id(o)] = ((e, k), weakref.ref(o))  # Tape.register
         if held:
             tape.held[(e, k)] = o.detach()
     tape.entries.append(OpEntry(func, spec, leaves, tuple(refs), expensive))
     extend(scope, e)
     return out
+
+
+def _snapshot(tape: Tape, snaps: dict[tuple[Any, ...], torch.Tensor], leaf: torch.Tensor) -> Ext:
+    """An outside tensor the op writes in place: replay reads its value from before, and so
+    does every earlier read of it at that version."""
+    key = (storage_key(leaf), leaf._version)
+    snap = snaps.get(key)
+    if snap is None:
+        snap = snaps[key] = leaf.detach().clone()
+    tape.snaps[key] = snap
+    return Ext(snap, -1, SNAPSHOT)
 
 
 def extend(scope: Scope, e: int) -> None:

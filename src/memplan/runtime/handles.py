@@ -13,16 +13,12 @@ only to the handles still alive, and a value lives as long as its handle.
 
 from __future__ import annotations
 
-from array import array
-from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-import torch
-
 if TYPE_CHECKING:
-    from memplan.runtime.tape import Pos, Scope
+    import torch
 
-Save = tuple[int, int, tuple[int, ...], torch.dtype]  # a unit's save: row, k, shape, dtype
+    from memplan.runtime.tape import Pos, Scope
 
 
 class Handle:
@@ -43,20 +39,17 @@ class Handle:
 class HandleTable:
     """A scope's handles, a row each: alive (autograd still holds it) and its value, once
     replayed. A row is a tape value's (``positions``: row -> (entry, output index)) or one
-    of a unit call's saved tensors, with the shape and dtype its forward saved (which the
-    call's replay must give again): ``units`` holds (tape entry, first row, first index in
-    ``dims``, first index in ``dtypes``) per unit call, whose k-th save is row first + k,
-    its shape (ndim, sizes...) the k-th in ``dims`` from there."""
+    of a unit call's saved tensors: ``units`` holds (tape entry, first row) per unit call,
+    whose k-th save is row first + k (the shapes and dtypes its forward saved, which its
+    replay must give again, are the unit entry's: ``tape.UnitEntry.saved``)."""
 
-    __slots__ = ("alive", "dims", "dtypes", "positions", "units", "values")
+    __slots__ = ("alive", "positions", "units", "values")
 
     def __init__(self) -> None:
         self.alive = bytearray()
         self.values: list[torch.Tensor | None] = []
         self.positions: dict[int, Pos] = {}
-        self.units: list[tuple[int, int, int, int]] = []
-        self.dims = array("q")
-        self.dtypes: list[torch.dtype] = []  # per unit save, in row order
+        self.units: list[tuple[int, int]] = []
 
     def add_value(self, pos: Pos) -> int:
         """A row for the tape value at ``pos``."""
@@ -68,24 +61,21 @@ class HandleTable:
 
     def start_unit(self, entry: int) -> None:
         """Unit ``entry``'s call starts: its saves take the next rows."""
-        self.units.append((entry, len(self.values), len(self.dims), len(self.dtypes)))
+        self.units.append((entry, len(self.values)))
 
-    def add_saved(self, t: torch.Tensor) -> int:
-        """A row for the next tensor the current unit saves, ``t``."""
+    def add_saved(self) -> int:
+        """A row for the next tensor the current unit saves."""
         self.alive.append(1)
         self.values.append(None)
-        self.dtypes.append(t.dtype)
-        shape = t.shape
-        self.dims.append(len(shape))
-        self.dims.extend(shape)
         return len(self.values) - 1
 
-    def saves(self, unit: int, n_saved: int) -> Iterator[Save]:
-        """(row, k, shape, dtype) of the live saves of ``units[unit]``, a call that saved
-        ``n_saved`` tensors."""
-        _, first, at, d = self.units[unit]
-        for k in range(n_saved):
-            ndim = self.dims[at]
-            if self.alive[first + k]:
-                yield first + k, k, tuple(self.dims[at + 1:at + 1 + ndim]), self.dtypes[d + k]
-            at += 1 + ndim
+    def any_alive(self, first: int, n: int) -> bool:
+        """Whether a row of ``first .. first + n - 1`` is alive."""
+        return self.alive.find(1, first, first + n) >= 0
+
+    def give(self, first: int, saved: list[torch.Tensor]) -> None:
+        """The k-th of ``saved`` to row first + k, where it is alive."""
+        alive, values = self.alive, self.values
+        for k, value in enumerate(saved):
+            if alive[first + k]:
+                values[first + k] = value

@@ -47,6 +47,7 @@ from memplan.runtime.layout import Layout, Template
 from memplan.runtime.replay import unpack
 from memplan.runtime.tape import (
     Namer,
+    SavedMeta,
     Scope,
     Tape,
     UnitEntry,
@@ -58,15 +59,17 @@ from memplan.tracing.opinfo import is_counted
 
 
 class _Unit:
-    """The unit call running now: no dispatch mode; its saved tensors are counted."""
+    """The unit call running now: no dispatch mode; the shapes and dtypes of the tensors it
+    saves, in order."""
 
-    __slots__ = ("count", "depth", "entry", "path", "scope")
+    __slots__ = ("depth", "dtypes", "entry", "path", "scope", "shapes")
 
     def __init__(self, scope: Scope, entry: int, path: str) -> None:
         self.scope = scope
         self.entry = entry
         self.path = path
-        self.count = 0
+        self.shapes: list[torch.Size] = []
+        self.dtypes: list[torch.dtype] = []
         self.depth = 0  # calls of the same module inside it (recursion)
 
 
@@ -91,6 +94,7 @@ class StepState:
         # held by the tapes that read the tensor: see Tape.keep_before_write).
         self.tapes: list[Tape] = []
         self.snaps: dict[tuple[Any, ...], torch.Tensor] = {}
+        self.saved_metas: dict[SavedMeta, SavedMeta] = {}  # one per distinct unit signature
         self.recorded_ops = 0  # tape entries (ops and units) this forward
         self.units_run = 0
         self.mode: PlanMode | None = None
@@ -225,7 +229,9 @@ class StepState:
         for j, o in enumerate(outs):
             u.scope.tape.register(o, (u.entry, j))
         entry.n_outputs = len(outs)
-        entry.n_saved = u.count
+        entry.n_saved = len(u.shapes)
+        meta = (tuple(u.shapes), tuple(u.dtypes))
+        entry.saved = self.saved_metas.setdefault(meta, meta)
         self.unit = None
         self._sync()
 
@@ -268,8 +274,9 @@ class StepState:
     def pack(self, t: torch.Tensor) -> Any:
         u = self.unit
         if u is not None:
-            u.count += 1
-            return Handle(u.scope, u.scope.table.add_saved(t))
+            u.shapes.append(t.shape)
+            u.dtypes.append(t.dtype)
+            return Handle(u.scope, u.scope.table.add_saved())
         tmpl = self.template
         top = self.top
         if tmpl is None or top is None or _root(tmpl) is not top.template:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from memplan.errors import ReplayError
-from memplan.runtime.handles import Handle, Save
+from memplan.runtime.handles import Handle
 from memplan.runtime.tape import (
     DEVICES,
     READ,
@@ -103,20 +103,20 @@ def materialise(scope: Scope) -> None:
 
 
 class _Wants:
-    """What a scope's replay gives back: the live handles (values on the tape, and per unit
-    entry its saved tensors) and the nested scopes' inputs."""
+    """What a scope's replay gives back: the live handles (values on the tape, and the saved
+    tensors of unit entries: ``units``, entry -> first row, where one is alive) and the
+    nested scopes' inputs."""
 
     def __init__(self, scope: Scope) -> None:
         table = scope.table
         self.value_rows = [row for row in table.positions if table.alive[row]]
         self.values: dict[Pos, None] = {table.positions[row]: None for row in self.value_rows}
-        self.unit_saves: dict[int, list[Save]] = {}
-        for i, (e, _, _, _) in enumerate(table.units):
+        self.units: dict[int, int] = {}
+        for e, first in table.units:
             entry = scope.tape.entries[e]
             assert isinstance(entry, UnitEntry)
-            live = list(table.saves(i, entry.n_saved))
-            if live:
-                self.unit_saves[e] = live
+            if table.any_alive(first, entry.n_saved):
+                self.units[e] = first
         self.children = [c for c in (r() for r in scope.children) if c is not None]
         for child in self.children:
             self.values.update(child.inputs)
@@ -128,9 +128,9 @@ def _replay(scope: Scope, wants: _Wants) -> dict[Pos, torch.Tensor]:
     tape = scope.tape
     grad = torch.is_grad_enabled()
     drop = scope.template.kind == "drop-cheap" and not grad
-    want, unit_saves, table = wants.values, wants.unit_saves, scope.table
-    run, stop_unit = _entries_to_run(tape, scope.first_entry, scope.last_entry, want,
-                                     unit_saves, drop)
+    want, units, table = wants.values, wants.units, scope.table
+    run, stop_unit = _entries_to_run(tape, scope.first_entry, scope.last_entry, want, units,
+                                     drop)
     last_use: dict[Pos, int] = {}
     for e in run:
         for p in tape.entries[e].refs:
@@ -149,12 +149,11 @@ def _replay(scope: Scope, wants: _Wants) -> dict[Pos, torch.Tensor]:
                     outs = tensors(entry.func(*args, **kwargs))
                     del args, kwargs  # inputs at their last use die now, not in a next unit
                 else:
-                    saves = unit_saves.get(e)
-                    outs, saved = _run_unit(entry, env, tape, saves is not None, grad,
+                    first = units.get(e)
+                    outs, saved = _run_unit(entry, env, tape, first is not None, grad,
                                             e == stop_unit)
-                    for row, k, shape, dtype in saves or ():
-                        if table.alive[row]:
-                            table.values[row] = _checked(entry, shape, dtype, saved[k])
+                    if first is not None:
+                        table.give(first, saved)
                     del saved
                 _keep(outs, e, want, kept, last_use, env)
                 del outs  # dead outputs die now, not during the next entry
@@ -167,7 +166,7 @@ def _replay(scope: Scope, wants: _Wants) -> dict[Pos, torch.Tensor]:
 
 
 def _entries_to_run(tape: Tape, first: int, last: int, want: dict[Pos, None],
-                    unit_saves: dict[int, list[Save]], drop: bool) -> tuple[list[int], int]:
+                    unit_saves: dict[int, int], drop: bool) -> tuple[list[int], int]:
     """The entries a replay runs, and the unit (-1: none) that stops at its last save.
 
     Like torch's non-reentrant checkpoint, a replay stops once it has everything it gives
@@ -233,8 +232,9 @@ def _keep(outs: list[torch.Tensor], e: int, want: dict[Pos, None],
             env[p] = o
 
 
-def _ext_value(leaf: Ext, tape: Tape, what: str) -> torch.Tensor:
-    """An outside tensor as the scope read it: never a value changed since."""
+def _ext_value(leaf: Ext, tape: Tape, what: object) -> torch.Tensor:
+    """An outside tensor as the scope read it: never a value changed since. ``what`` read
+    it (an op, or a text), formatted only for the error (an op's name costs microseconds)."""
     t = leaf.tensor
     if leaf.mode != READ:
         return t.clone()  # the op writes it: write a copy
@@ -259,7 +259,7 @@ def _rebuild(entry: OpEntry, env: dict[Pos, torch.Tensor], tape: Tape
         if isinstance(leaf, Ref):
             vals.append(env[leaf.pos])
         elif isinstance(leaf, Ext):
-            vals.append(_ext_value(leaf, tape, str(entry.func)))
+            vals.append(_ext_value(leaf, tape, entry.func))
         else:
             vals.append(leaf)
     return unflatten_args(vals, entry.spec)
@@ -304,34 +304,48 @@ def _run_unit(entry: UnitEntry, env: dict[Pos, torch.Tensor], tape: Tape, collec
         return None
 
     enable = entry.grad_enabled and (collect or grad)
-    with contextlib.ExitStack() as stack:
-        _bind(entry, stack, what)
-        for device, dtype in entry.autocast:
-            stack.enter_context(torch.autocast(device, dtype=dtype))
-        stack.enter_context(torch.enable_grad() if enable else torch.no_grad())
+    # The call's state set by hand, not by context managers: a region replays tens of units,
+    # and an ExitStack of four contexts cost more than a small call's Python.
+    restore = _bind(entry, what)
+    was_enabled = torch.is_grad_enabled()
+    try:
+        torch._C._set_grad_enabled(enable)
         if collect:
-            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(take, _identity))
+            torch._C._autograd._push_saved_tensors_default_hooks(take, _identity)
         try:
-            out = entry.module(*args, **kwargs)
-        except _Stop:
-            return [], saved
+            out = _call(entry, args, kwargs)
+        finally:
+            if collect:
+                torch._C._autograd._pop_saved_tensors_default_hooks()
+            torch._C._set_grad_enabled(was_enabled)
+    except _Stop:
+        _check_saved(entry, saved)
+        return [], saved
+    finally:
+        for holder, key, value in reversed(restore):
+            holder[key] = value
     outs = tensor_leaves(out)
     if len(outs) != entry.n_outputs or (collect and len(saved) != entry.n_saved):
         raise _differs(entry, f"gave {len(outs)} tensors and saved {len(saved)} for "
                        f"backward, where its forward gave {entry.n_outputs} and saved "
                        f"{entry.n_saved}")
+    if collect:
+        _check_saved(entry, saved)
     if not grad:
         outs = [o.detach() for o in outs]
     return outs, saved
 
 
-def _checked(entry: UnitEntry, shape: tuple[int, ...], dtype: torch.dtype,
-             value: torch.Tensor) -> torch.Tensor:
-    """A unit's saved tensor, as its forward saved it (shape and dtype)."""
-    if value.shape != shape or value.dtype != dtype:
-        raise _differs(entry, f"saved a {_meta(value.shape, value.dtype)} tensor for backward "
-                       f"where its forward saved a {_meta(shape, dtype)} one")
-    return value
+def _check_saved(entry: UnitEntry, saved: list[torch.Tensor]) -> None:
+    """A unit's re-run saved what its forward saved: the same shapes and dtypes, in order
+    (compared whole; the first that differs is named)."""
+    shapes, dtypes = entry.saved
+    if tuple([t.shape for t in saved]) == shapes and tuple([t.dtype for t in saved]) == dtypes:
+        return
+    for t, shape, dtype in zip(saved, shapes, dtypes):
+        if t.shape != shape or t.dtype != dtype:
+            raise _differs(entry, f"saved a {_meta(t.shape, t.dtype)} tensor for backward "
+                           f"where its forward saved a {_meta(shape, dtype)} one")
 
 
 def _differs(entry: UnitEntry, got: str) -> ReplayError:
@@ -347,14 +361,26 @@ def _meta(shape: tuple[int, ...], dtype: torch.dtype) -> str:
     return f"{list(shape)} {str(dtype).removeprefix('torch.')}"
 
 
-def _bind(entry: UnitEntry, stack: contextlib.ExitStack, what: str) -> None:
+def _call(entry: UnitEntry, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The module call, under the autocast its forward ran in."""
+    if not entry.autocast:
+        return entry.module(*args, **kwargs)
+    with contextlib.ExitStack() as stack:
+        for device, dtype in entry.autocast:
+            stack.enter_context(torch.autocast(device, dtype=dtype))
+        return entry.module(*args, **kwargs)
+
+
+def _bind(entry: UnitEntry, what: str) -> list[tuple[dict[str, Any], str, Any]]:
     """Bind the parameters and buffers the unit ran with (a functional_call or a
-    re-registration since then leaves other tensors there)."""
+    re-registration since then leaves other tensors there); what to put back after."""
     restore: list[tuple[dict[str, Any], str, Any]] = []
     for slot, rec, version in zip(entry.info.slots, entry.bound, entry.versions):
         if rec is None:
             continue
         if rec._version != version:
+            for holder, key, value in reversed(restore):
+                holder[key] = value
             raise ReplayError(
                 f"memplan: '{slot.name}', read by {what} in a recomputed part of the forward, "
                 f"was changed in place afterwards (version {version} then, {rec._version} "
@@ -364,12 +390,7 @@ def _bind(entry: UnitEntry, stack: contextlib.ExitStack, what: str) -> None:
         if slot.holder[slot.key] is not rec:
             restore.append((slot.holder, slot.key, slot.holder[slot.key]))
             slot.holder[slot.key] = rec
-
-    def undo() -> None:
-        for holder, key, value in reversed(restore):
-            holder[key] = value
-
-    stack.callback(undo)
+    return restore
 
 
 def _identity(x: Any) -> Any:

@@ -17,11 +17,17 @@ from memplan.runtime.handles import HandleTable
 from memplan.runtime.layout import Template
 
 Pos = tuple[int, int]  # (tape entry, output index); a unit's saves are table rows (runtime.handles)
+SavedMeta = tuple[tuple[torch.Size, ...], tuple[torch.dtype, ...]]  # a unit call's saves
 
 
-@dataclass(frozen=True)
 class Ref:
-    pos: Pos
+    """A tape value read by an entry (a plain slotted class: one is made per tensor argument
+    of a recorded op, and a frozen dataclass costs several times as much to make)."""
+
+    __slots__ = ("pos",)
+
+    def __init__(self, pos: Pos) -> None:
+        self.pos = pos
 
 
 READ, WRITE_ONLY, SNAPSHOT = 0, 1, 2
@@ -88,7 +94,7 @@ class UnitEntry:
     """A unit: a module call recorded whole, replayed by calling the module again."""
 
     __slots__ = ("autocast", "bound", "grad_enabled", "grads", "info", "leaves",
-                 "module", "n_outputs", "n_saved", "path", "refs", "spec", "versions")
+                 "module", "n_outputs", "n_saved", "path", "refs", "saved", "spec", "versions")
 
     def __init__(self, module: torch.nn.Module, path: str, info: UnitInfo) -> None:
         self.module = module
@@ -104,6 +110,9 @@ class UnitEntry:
         self.versions: list[int] = []
         self.n_saved = 0
         self.n_outputs = 0
+        # The shapes and dtypes of the tensors the call saved, in order: one tuple shared by
+        # the calls that saved alike (few objects for Python's collector; ``record``).
+        self.saved: SavedMeta = ((), ())
 
     @property
     def expensive(self) -> bool:
@@ -138,9 +147,12 @@ class Tape:
     # The tensors entries made, by identity (ops and autograd hand the same tensor objects
     # on: views and in-place results included); weak, so they die when the user drops them.
     ids: dict[int, tuple[Pos, Any]] = field(default_factory=dict)
-    # Outside tensors the tape read, by storage: a later write through a view of one (an
-    # in-place op on ``y.view(...)``) changes it under the tape (see ``keep_before_write``).
-    outside: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    # Outside tensors the tape read: a later write through a view of one (an in-place op on
+    # ``y.view(...)``) changes it under the tape (see ``keep_before_write``). Indexed by
+    # storage only when an op writes (rare; a storage lookup per read cost more than the op).
+    outside: list[torch.Tensor] = field(default_factory=list)
+    by_storage: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    indexed: int = 0  # outside[:indexed] are in by_storage
 
     def lookup(self, t: torch.Tensor) -> Pos | None:
         hit = self.ids.get(id(t))
@@ -155,7 +167,7 @@ class Tape:
         self.ids.clear()
 
     def note_outside(self, t: torch.Tensor) -> None:
-        self.outside.setdefault(t.untyped_storage()._cdata, []).append(t)
+        self.outside.append(t)
 
     def keep_before_write(self, written: list[torch.Tensor],
                           copies: dict[tuple[Any, ...], torch.Tensor]) -> None:
@@ -163,8 +175,11 @@ class Tape:
         read that shares its storage, at the version read, for replay (``replay._ext_value``).
         ``copies``: the forward's, one per (tensor, version), shared by the tapes that read it;
         each tape holds it as long as the tape lives, and no longer."""
+        for t in self.outside[self.indexed:]:
+            self.by_storage.setdefault(t.untyped_storage()._cdata, []).append(t)
+        self.indexed = len(self.outside)
         for w in written:
-            for t in self.outside.get(w.untyped_storage()._cdata, ()):
+            for t in self.by_storage.get(w.untyped_storage()._cdata, ()):
                 key = (storage_key(t), t._version)
                 if key not in self.snaps:
                     snap = copies.get(key)
@@ -331,12 +346,14 @@ def is_view(func: Any) -> bool:
 
 
 # Per op: (argument index, name, write-only BatchNorm statistic) of the arguments it writes,
-# and the index of its ``training`` flag (BatchNorm ops).
-_WRITES: dict[Any, tuple[tuple[tuple[int, str, bool], ...], int]] = {}
+# and the index of its ``training`` flag (BatchNorm ops). Keyed by the op's id: OpOverload
+# hashes in Python, and this is looked up for every op a scope records.
+_WRITES: dict[int, tuple[tuple[tuple[int, str, bool], ...], int]] = {}
+_OPS: list[Any] = []  # the ops keyed in _WRITES, kept alive so that their ids stay theirs
 
 
-def _write_spots(func: Any) -> tuple[tuple[tuple[int, str, bool], ...], int]:
-    spots = _WRITES.get(func)
+def write_spots(func: Any) -> tuple[tuple[tuple[int, str, bool], ...], int]:
+    spots = _WRITES.get(id(func))
     if spots is None:
         # native_batch_norm and the cudnn/miopen variants write the running statistics
         # without saying so in their schemas, and only when training.
@@ -344,11 +361,13 @@ def _write_spots(func: Any) -> tuple[tuple[tuple[int, str, bool], ...], int]:
         bn = "batch_norm" in schema.name
         names = [a.name for a in schema.arguments]
         training = names.index("training") if bn and "training" in names else -1
-        spots = _WRITES[func] = (tuple(
+        spots = (tuple(
             (i, a.name, bn and a.name in ("running_mean", "running_var"))
             for i, a in enumerate(schema.arguments)
             if (a.alias_info is not None and a.alias_info.is_write)
             or (bn and a.name in ("running_mean", "running_var"))), training)
+        _OPS.append(func)
+        _WRITES[id(func)] = spots
     return spots
 
 
@@ -356,7 +375,7 @@ def written_tensors(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
                     ) -> list[tuple[torch.Tensor, int]]:
     """The tensor arguments the op writes, with WRITE_ONLY for BatchNorm running statistics
     in training (their value reaches no output) and SNAPSHOT for the others."""
-    spots, training = _write_spots(func)
+    spots, training = write_spots(func)
     if not spots:
         return []
     trains = True
