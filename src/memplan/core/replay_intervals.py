@@ -43,7 +43,7 @@ def replay_intervals(ps: PlanScopes, sc: Scope, tl: Timeline) -> list[Interval]:
                     and values[vid].kind not in (g.PARAMETER, g.BUFFER) \
                     and ps.last_write().get(vid, -1) > o:
                 # Read at a version changed since: replay reads a copy of the value it
-                # had (``replay._ext_value``), which lives while what it made from it does.
+                # had (``unit_replay.ext_value``), which lives while what it made from it does.
                 out.append((pre, max(nxt[1] if nxt else main,
                                      _copy_end(ps, vid, i, ops, in_replay, tl, sc.index)),
                             values[vid].nbytes))

@@ -172,7 +172,7 @@ class Tape:
     def keep_before_write(self, written: list[torch.Tensor],
                           copies: dict[tuple[Any, ...], torch.Tensor]) -> None:
         """An op is about to write ``written``: keep a copy of each outside tensor the tape
-        read that shares its storage, at the version read, for replay (``replay._ext_value``).
+        read that shares its storage, at the version read, for replay (``unit_replay.ext_value``).
         ``copies``: the forward's, one per (tensor, version), shared by the tapes that read it;
         each tape holds it as long as the tape lives, and no longer."""
         for t in self.outside[self.indexed:]:
