@@ -28,11 +28,12 @@ from memplan.runtime.tape import (
     flatten_tree,
     storage_key,
     tensors,
-    write_spots,
     written_tensors,
 )
 
-_EXPENSIVE: dict[int, bool] = {}  # by the op's id, as tape.write_spots (ops live forever)
+# By the op's id, as tape.write_spots, which ``written_tensors`` (called first for every
+# op) keeps alive: an id stays its op's.
+_EXPENSIVE: dict[int, bool] = {}
 # Arguments a unit may take: a call re-run in replay must compute what it computed, so it gets
 # only values it cannot change (tensors are checked by version). Any other object (HF's
 # DynamicCache appends the keys on every call) keeps the call on the op tape, whose replay
@@ -124,7 +125,6 @@ def record_op(scope: Scope, tapes: list[Tape], snaps: dict[tuple[Any, ...], torc
     out = func(*args, **kwargs)
     expensive = _EXPENSIVE.get(id(func))
     if expensive is None:
-        write_spots(func)  # keeps func alive: its id stays its key
         expensive = _EXPENSIVE[id(func)] = is_expensive(str(func))
     held = expensive and scope.template.kind == "drop-cheap"
     for k, o in enumerate(tensors(out)):

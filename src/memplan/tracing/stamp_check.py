@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from memplan.tracing.stamp_emit import vid
 from memplan.tracing.stamp_template import NEW, Template
 from memplan.tracing.tracer import StepTracer
 
@@ -35,7 +36,7 @@ def foresaw(tracer: StepTracer, template: Template, op0: int, f0: int, outer: li
             if c >= NEW or c == -1 - len(outer):
                 if names.setdefault(c, v) != v:
                     return False
-            elif (f0 + c if c >= 0 else outer[-1 - c]) != v:
+            elif vid(c, f0, outer, 0) != v:
                 return False
         return True
 

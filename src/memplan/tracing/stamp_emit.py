@@ -52,7 +52,7 @@ class Unit(torch.autograd.Function):
             out = original(x)
         if tracer.frees != frees or type(out) is not FakeTensor \
                 or tracer._lookup(out) is not None:
-            raise _mismatch("a stamped call freed a tracked tensor or returned one it read")
+            raise StampMismatch("a stamped call freed a tracked tensor or returned one it read")
         op0, f0 = len(tracer.ops), len(tracer.values)
         emit_forward(tracer, template, stamper.names[id(module)], out, outer)
         stamper.instances.append((template, op0, f0, outer))
@@ -74,10 +74,6 @@ class Unit(torch.autograd.Function):
                               for k, p in enumerate(ctx.params) if k + 1 in made)
         handed = [made.get(k) if need else None for k, need in enumerate(ctx.needs)]
         return (None, None, None, None, None, *handed)
-
-
-def _mismatch(why: str) -> Exception:
-    return StampMismatch(why)
 
 
 def _proxies(tracer: StepTracer, template: Template, x: torch.Tensor, out: torch.Tensor
@@ -110,7 +106,7 @@ def emit_forward(tracer: StepTracer, template: Template, path: str, out: torch.T
                 storage = out.untyped_storage()
                 if tracer._add(out, storage, g.ACTIVATION, op0 + i) != f0 + k \
                         or storage.nbytes() != nbytes:
-                    raise _mismatch("the output is not the template's")
+                    raise StampMismatch("the output is not the template's")
                 values[f0 + k].shape = shape  # its op's shape (the unit may return a view)
                 continue
             values.append(_ValueRec(f0 + k, nbytes, g.ACTIVATION, op0 + i, op0 + i, None,
@@ -145,7 +141,7 @@ def emit_backward(tracer: StepTracer, template: Template, op0: int, f0: int, out
     if gvid is None or tracer._proxies.get(gvid) or tensor_spec(grad) != bwd.incoming_spec \
             or grad._is_view() or holders > grad._use_count() \
             or (shared and not bwd.incoming_read_only) or not (shared or _unwatch(tracer, grad)):
-        raise _mismatch("the incoming gradient is not one the template foresaw")
+        raise StampMismatch("the incoming gradient is not one the template foresaw")
     incoming = -1 - len(outer)
     outer = [*outer, gvid]
     ws, n0 = tracer.event, len(tracer.values)
@@ -165,7 +161,7 @@ def emit_backward(tracer: StepTracer, template: Template, op0: int, f0: int, out
         tracer.event = e
         op = ops_at.get(e)
         if op is not None and e - n_fwd - len(backward_ops) != 0:
-            raise _mismatch("backward events out of step")
+            raise StampMismatch("backward events out of step")
         if op is not None:
             target, inputs, outputs, mutated, flops, grad_of = op
             fwd_op = ops[op0 + grad_of]
@@ -205,7 +201,7 @@ def _birth(tracer: StepTracer, bwd: Any, k: int, n0: int, made: dict[int, torch.
     t = fake_tensor(tracer.fake, elem, device)  # type: ignore[arg-type]
     storage = t.untyped_storage()
     if tracer._add(t, storage, g.BACKWARD, -1) != n0 + k or storage.nbytes() != nbytes:
-        raise _mismatch("a handed-on gradient is not the template's")
+        raise StampMismatch("a handed-on gradient is not the template's")
     tracer.values[n0 + k].shape = shape  # the shape it was made with (a view of it is handed)
     made[position] = t
 
