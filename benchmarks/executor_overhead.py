@@ -12,14 +12,21 @@ stop early, as torch's do by default).
 Repeatable rows: capture leaves ~400k objects tracked by Python's garbage collector in this
 process, so a full collection (~0.2 s) would land on whichever variant's step crosses the
 threshold. After each case's set-up the objects alive are collected and frozen
-(``gc.collect(); gc.freeze()``: a collection then walks only what the steps make), and each
-round runs the variants in a rotated order, so none always follows the same one (the
-allocator's state, the young generation's count). The "paired" column is the median over
-rounds of memplan's step CPU time over torch checkpoint's in the same round: load that drifts
-over a run cancels out of it.
+(``gc.collect(); gc.freeze()``: a collection then walks only what the steps make), and the
+rounds run the variants in the orders of a balanced Latin square (Williams), so each variant
+follows each other equally often (the allocator's and caches' state a step leaves; a rotation
+of one order kept each variant behind the same one in all rounds but one in n). The "paired"
+column is the median over rounds of memplan's step CPU time over torch checkpoint's in the
+same round: load that drifts over a run cancels out of it.
+
+``--twin`` adds a control: a second, identical torch checkpoint model, and its paired ratio to
+the first. Two instances of one variant differ only by chance (where their tensors lie, what
+the other tenants of the machine did during their steps), so that ratio's distance from 1 is
+the resolution of the paired column in that run: a memplan/torch ratio closer to 1 than it is
+not a difference this run can show.
 
     .venv/bin/python benchmarks/executor_overhead.py [--device cpu|cuda] [--repeat 15]
-        [--only gpt|lstm] [--out DIR]
+        [--only gpt|lstm] [--twin] [--out DIR]
 """
 
 from __future__ import annotations
@@ -129,16 +136,32 @@ class NoEarlyStop(nn.Module):
             return self.inner(*inputs)
 
 
+def williams_orders(n: int) -> list[list[int]]:
+    """Orders of n variants, one per round, in which each variant directly follows each other
+    one equally often (a Williams design: n rows for even n, 2n for odd n)."""
+    base = [0]
+    low, high = 1, n - 1
+    while len(base) < n:
+        base.append(low if len(base) % 2 else high)
+        if len(base) % 2:
+            high -= 1
+        else:
+            low += 1
+    rows = [[(b + i) % n for b in base] for i in range(n)]
+    return rows + [row[::-1] for row in rows] if n % 2 else rows
+
+
 def timed(models: dict[str, nn.Module], inputs: tuple[Any, ...], loss: Any, repeat: int,
           cuda: bool) -> tuple[dict[str, float], dict[str, list[float]]]:
     """Median wall time of a step, and the process-CPU time of each timed round's step, runs
-    interleaved round-robin, the order rotated by one variant each round."""
+    interleaved, each round in the next order of ``williams_orders``."""
     wall: dict[str, list[float]] = {k: [] for k in models}
     cpu: dict[str, list[float]] = {k: [] for k in models}
     names = list(models)
+    orders = williams_orders(len(names))
     for i in range(repeat + 2):  # two warm-up rounds
-        for j in range(len(names)):
-            name = names[(i + j) % len(names)]
+        for j in orders[i % len(orders)]:
+            name = names[j]
             model = models[name]
             for p in model.parameters():
                 p.grad = None
@@ -155,8 +178,16 @@ def timed(models: dict[str, nn.Module], inputs: tuple[Any, ...], loss: Any, repe
     return {k: statistics.median(v) for k, v in wall.items()}, cpu
 
 
+TWIN = "torch checkpoint, twin"
+
+
+def paired(cpu_runs: dict[str, list[float]], name: str) -> float:
+    """Median over rounds of ``name``'s step CPU time over torch checkpoint's in that round."""
+    return statistics.median(a / b for a, b in zip(cpu_runs[name], cpu_runs["torch checkpoint"]))
+
+
 def run_case(case: tuple[str, Workload, Workload, list[int], list[bool]], dev: str,
-             repeat: int) -> dict[str, Any]:
+             repeat: int, twin: bool = False) -> dict[str, Any]:
     name, w, peer, ends, recomputed = case
     graph = memplan.capture(w, device=dev)
     plan = unit_plan(w, graph, ends, recomputed)
@@ -165,6 +196,8 @@ def run_case(case: tuple[str, Workload, Workload, list[int], list[bool]], dev: s
         models = {"plain": w.build_model(), "torch checkpoint": peer.build_model(),
                   "memplan": apply(w.build_model(), plan),
                   "torch, no early stop": NoEarlyStop(peer.build_model())}
+        if twin:
+            models[TWIN] = peer.build_model()
     peaks = {k: memplan.measure(m, *inputs, loss_fn=w.loss, simulate=False, device=dev,
                                 repeat=1).peak_bytes for k, m in models.items()}
     gc.collect()
@@ -176,16 +209,20 @@ def run_case(case: tuple[str, Workload, Workload, list[int], list[bool]], dev: s
     cpu = {k: statistics.median(v) for k, v in cpu_runs.items()}
     # memplan against torch round by round (steps run side by side), then the median: what
     # drifts over the run (load, frequency) cancels out
-    paired = statistics.median(m / t for m, t in zip(cpu_runs["memplan"],
-                                                      cpu_runs["torch checkpoint"]))
+    ratio = paired(cpu_runs, "memplan")
     row = {"case": name, "peak_bytes": peaks, "wall_s": wall, "cpu_s": cpu,
            "predicted_peak_bytes": plan.peak_bytes, "regions": sum(recomputed),
-           "cpu_runs_s": cpu_runs, "memplan_over_torch_cpu_paired": paired}
+           "cpu_runs_s": cpu_runs, "memplan_over_torch_cpu_paired": ratio}
+    control = ""
+    if twin:
+        row["twin_over_torch_cpu_paired"] = paired(cpu_runs, TWIN)
+        control = f" {row['twin_over_torch_cpu_paired']:.3f} |"
     print(f"| {name} | {cpu['plain'] * 1e3:.2f} ms | "
           f"{cpu['torch checkpoint'] / cpu['plain']:.3f}x | {cpu['memplan'] / cpu['plain']:.3f}x | "
-          f"{cpu['torch, no early stop'] / cpu['plain']:.3f}x | {paired:.3f} | "
+          f"{cpu['torch, no early stop'] / cpu['plain']:.3f}x | {ratio:.3f} | "
           f"{wall['torch checkpoint'] / wall['plain']:.3f}x | {wall['memplan'] / wall['plain']:.3f}x | "
-          f"{peaks['torch checkpoint'] / 1e6:.2f} / {peaks['memplan'] / 1e6:.2f} |", flush=True)
+          f"{peaks['torch checkpoint'] / 1e6:.2f} / {peaks['memplan'] / 1e6:.2f} |{control}",
+          flush=True)
     return row
 
 
@@ -196,6 +233,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=15)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--only", choices=["gpt", "lstm"], default=None)
+    ap.add_argument("--twin", action="store_true",
+                    help="add a second torch checkpoint model: the paired column's resolution")
     ap.add_argument("--out", default="out/executor")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -206,10 +245,12 @@ def main() -> None:
         cases += [lstm_case(t) for t in LSTM_STEPS]
     print(f"device {args.device}, torch threads {torch.get_num_threads()}, medians of "
           f"{args.repeat} interleaved steps; load {os.getloadavg()[0]:.2f}")
+    control = (" twin / torch ckpt CPU, paired |", "---|") if args.twin else ("", "")
     print("| model | plain (CPU) | torch ckpt CPU | memplan CPU | torch no early stop CPU "
           "| memplan / torch ckpt CPU, paired | torch ckpt wall | memplan wall "
-          "| peak MB torch / memplan |\n|---|---|---|---|---|---|---|---|---|")
-    rows = [run_case(c, args.device, args.repeat) for c in cases]
+          f"| peak MB torch / memplan |{control[0]}\n|---|---|---|---|---|---|---|---|---|"
+          f"{control[1]}")
+    rows = [run_case(c, args.device, args.repeat, args.twin) for c in cases]
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"executor_{args.device}.json"), "w") as fh:
         json.dump(rows, fh, indent=1)
