@@ -12,7 +12,7 @@ of each weight's gradient handed over by the call after it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.func import functional_call
@@ -52,6 +52,17 @@ class Window:
     sums: list[int]  # per weight: the new value holding its gradient's running sum after
     releases: dict[int, int]  # saved input/output code -> the event its saver releases it
     takes_sums: bool  # a middle call: adds onto the running sums handed over
+
+
+class SideCall(NamedTuple):
+    """One call of the side run: its forward ops and values, outer values, outputs."""
+
+    op0: int
+    op1: int
+    v0: int
+    v1: int
+    outer: list[int]
+    outs: list[torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -105,7 +116,7 @@ def side_run(main: StepTracer, module: torch.nn.Module, fwd: Forward, flat: list
     names = ([n for n, _ in module.named_parameters()], [n for n, _ in module.named_buffers()])
     state = dict(zip(names[0], p2)) | dict(zip(names[1], b2))
     hooks = torch.autograd.graph.saved_tensors_hooks(side.pack, side.unpack)
-    calls: list[tuple[int, int, int, int, list[int], list[torch.Tensor]]] = []
+    calls: list[SideCall] = []
     with main.paused(), side, hooks:
         grad_in = [t.clone() for t in leaves]
         starts = list(grad_in)
@@ -120,9 +131,9 @@ def side_run(main: StepTracer, module: torch.nn.Module, fwd: Forward, flat: list
             outs = tree_flatten(out)[0]
             if len(outs) != len(grad_in) or any(not isinstance(t, torch.Tensor) for t in outs):
                 raise Ineligible("the outputs are not the next call's inputs")
-            calls.append((op0, len(side.ops), v0, len(side.values), outer, outs))
+            calls.append(SideCall(op0, len(side.ops), v0, len(side.values), outer, outs))
             grad_in = outs
-        loss = sum((calls[1][5][j] * 2.0).sum() for j in used)
+        loss = sum((calls[1].outs[j] * 2.0).sum() for j in used)
     side.end_forward()
     for op0, op1, v0, v1, outer, outs in calls:
         try:
@@ -136,9 +147,9 @@ def side_run(main: StepTracer, module: torch.nn.Module, fwd: Forward, flat: list
             raise Ineligible("the side run's forward differs from the first call")
     # What each call hands its inputs, and what the loss hands the second call's outputs:
     # read off the nodes' edges (a tensor hook would see the sum over all its uses).
-    given = [_edges(side, (c[0], c[1]), ins)
-             for c, ins in ((calls[0], starts), (calls[1], calls[0][5]))]
-    to_last = _edges(side, (calls[1][1], len(side.ops)), calls[1][5])
+    given = [_edges(side, (c.op0, c.op1), ins)
+             for c, ins in ((calls[0], starts), (calls[1], calls[0].outs))]
+    to_last = _edges(side, (calls[1].op1, len(side.ops)), calls[1].outs)
     with main.paused(), side:
         loss.backward()  # type: ignore[union-attr]
     if any(p.grad is None for p in p2):
@@ -155,12 +166,12 @@ def side_run(main: StepTracer, module: torch.nn.Module, fwd: Forward, flat: list
     saved = [_saved(side, calls[n]) for n in range(2)]
     if saved[0] != saved[1]:
         raise Ineligible("the two calls save differently")
-    calls_values = range(calls[0][2], calls[1][3])
+    calls_values = range(calls[0].v0, calls[1].v1)
     last = _read(side, calls[1], [_spec(side, t) for t in to_last],
                  [_spec(side, t) for t in given[1]], [], firsts, saved[1], calls_values)
     # Values of the side run's own loss may die anywhere (autograd frees a node's inputs
     # late); the calls' forward values and the last call's backward values may not.
-    ws, we, _ = _window(side, range(calls[1][0], calls[1][1]))
+    ws, we, _ = _window(side, range(calls[1].op0, calls[1].op1))
     born = [v.id for v in side.values if v.kind in (g.BACKWARD, g.GRADIENT)
             and ws < v.birth <= we]
     foreign = set(calls_values) | set(born)
@@ -213,7 +224,7 @@ def _spec(side: StepTracer, cell: list[Any]) -> tuple[int, Spec] | None:
     return got  # type: ignore[no-any-return]
 
 
-def _saved(side: StepTracer, call: tuple[Any, ...]) -> list[list[int]]:
+def _saved(side: StepTracer, call: SideCall) -> list[list[int]]:
     op0, op1, v0, v1, outer, _ = call
     code = {v: -1 - k for k, v in enumerate(outer)}
     out = []
@@ -230,7 +241,7 @@ def _saved(side: StepTracer, call: tuple[Any, ...]) -> list[list[int]]:
     return out
 
 
-def _read(side: StepTracer, call: tuple[Any, ...], incoming: list[tuple[int, Spec] | None],
+def _read(side: StepTracer, call: SideCall, incoming: list[tuple[int, Spec] | None],
           handed: list[tuple[int, Spec] | None], sums_in: list[int], sums_out: list[int],
           saved: list[list[int]], foreign: range | set[int]) -> Window:
     """One call's backward window: ``sums_in``/``sums_out`` the values holding each weight's
@@ -240,7 +251,7 @@ def _read(side: StepTracer, call: tuple[Any, ...], incoming: list[tuple[int, Spe
     unit = range(op0, op1)
     ws, we, window = _window(side, unit)
     n_outer, n_out = len(outer), len(incoming)
-    outs = {v0 + c for c in range(v1 - v0)} & {v for v in _out_vids(side, call)}
+    outs = set(_vids(side, call.outs))
     code: dict[int, int] = {v: -1 - k for k, v in enumerate(outer)}
     for j, inc in enumerate(incoming):
         if inc is not None:
@@ -311,10 +322,9 @@ def _read(side: StepTracer, call: tuple[Any, ...], incoming: list[tuple[int, Spe
     events = [(_rel(side.ops[i].unpack_event, ws), _rel(side.ops[i].release_event, ws))
               for i in unit]
     releases: dict[int, int] = {}
-    n_args = n_outer  # codes of arguments and outputs saved: held by a proxy until released
-    for k, codes in enumerate(saved):
+    for k, codes in enumerate(saved):  # arguments and outputs saved: held by a proxy each
         for c in codes:
-            if (c < 0 and -1 - c < n_args) or (c >= 0 and v0 + c in outs):
+            if c < 0 or v0 + c in outs:
                 releases[c] = max(releases.get(c, -1), events[k][1])
     if any(r < 0 for r in releases.values()):
         raise Ineligible("a saved argument never released")
@@ -322,10 +332,6 @@ def _read(side: StepTracer, call: tuple[Any, ...], incoming: list[tuple[int, Spe
     return Window(ops, values, deaths, events, we - ws, last - op0,
                   [None if inc is None else inc[1] for inc in incoming], dying, hands, sums,
                   releases, bool(sums_in))
-
-
-def _out_vids(side: StepTracer, call: tuple[Any, ...]) -> list[int]:
-    return _vids(side, call[5])
 
 
 def _rel(e: int, ws: int) -> int:

@@ -14,6 +14,8 @@ the capture runs again, unstamped: a tracked tensor dies while it runs; its inco
 is a view, has other strides, or is shared and added to inside the unit; its backward never
 runs; a weight of it gets gradients from elsewhere too; a first call's own backward is not its
 side run's (``stamp_check``). ``benchmarks/capture_stamp_zoo.py`` compares every zoo entry.
+A module called again and again on its own outputs, with the same weights each time (an
+unrolled LSTM's step, one block applied repeatedly), is stamped by ``stamp_chain``.
 """
 
 from __future__ import annotations
