@@ -58,7 +58,8 @@ def main() -> None:
                 if getattr(graphs[0], f.name) != getattr(graphs[1], f.name)]
         differ += bool(diff)
         fell = len(steps) == 3  # stamped, again unstamped (the fallback), the reference
-        print(f"{name:28s} stamped {made[0].stamped if made else 0:3d}  "
+        n = made[0].stamped + made[0].chains.stamped if made else 0  # units and chained calls
+        print(f"{name:28s} stamped {n:3d}  "
               f"{'fell back' if fell else 'kept     '}  "
               f"{'EQUAL' if not diff else 'DIFFERS: ' + ','.join(diff)}  "
               f"cpu {cpu[0]:.2f} s vs reference {cpu[1]:.2f} s", flush=True)

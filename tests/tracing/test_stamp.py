@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from memplan.core.graph import Graph
+from memplan.models.lstm import LSTM
 from memplan.tracing import capture, stamp
 from memplan.tracing.capture import capture_target
 from memplan.tracing.step import Target, as_target
@@ -134,6 +135,78 @@ class MLPStack(nn.Module):
         return y
 
 
+class TiedLSTM(nn.Module):
+    """The paper's LSTM (steps: one module called again on its own outputs, shared weights)
+    whose classifier weight is read again after the steps: its gradient gets an add the
+    chain's stamp does not foresee: the capture falls back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = LSTM(8, 16, 2, 10)
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        loss: torch.Tensor = self.lstm(x, target)
+        return loss + self.lstm.classifier.weight.square().sum()
+
+
+class Repeated(nn.Module):
+    """One block called five times in a row on its own output (ALBERT-style sharing)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(4, 8)
+        self.block = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x.flatten(2).transpose(1, 2))
+        for _ in range(5):
+            h = self.block(h)
+        return h
+
+
+class CountingBlock(nn.Module):
+    """Counts its calls and takes another path at the fourth."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        y = torch.tanh(self.a(x))
+        y_: torch.Tensor = self.b(y * 2.0 if self.calls == 4 else y)
+        return y_
+
+
+class Counted(Repeated):
+    """A block whose fourth call runs an op more than its template (its Python state
+    differs, which no key sees): the capture falls back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = CountingBlock()  # type: ignore[assignment]
+
+
+class Collected(Repeated):
+    """Each call's output read after the loop too (stacked): a second gradient for each
+    stamped call, which its template does not foresee: the capture falls back."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x.flatten(2).transpose(1, 2))
+        outs = []
+        for _ in range(5):
+            h = self.block(h)
+            outs.append(h)
+        return torch.stack(outs)
+
+
+def _tied() -> Target:
+    torch.manual_seed(0)
+    x, target = torch.randn(6, 2, 8), torch.randint(0, 10, (6, 2))
+    return as_target(TiedLSTM(), (x, target), lambda out: out)
+
+
 def _user(model: Callable[[], nn.Module]) -> Callable[[], Target]:
     def make() -> Target:
         torch.manual_seed(0)
@@ -153,6 +226,13 @@ CASES: dict[str, tuple[Callable[[], Target], int | None]] = {
     "weight_reused": (_user(WeightReused), None),
     "residual_mlp": (_user(ResidualMLP), 2),
     "mlp_stack": (_user(MLPStack), 2),
+    # An LSTM's steps: the first traced (no state requiring grad), the second the template.
+    "lstm": (lambda: as_target(small("lstm", steps=6), (), None), 4),
+    "lstm_dropout": (lambda: as_target(small("lstm", steps=5, dropout=0.1), (), None), 3),
+    "lstm_tied": (_tied, None),
+    "repeated": (_user(Repeated), 3),
+    "counted": (_user(Counted), None),
+    "collected": (_user(Collected), None),
 }
 
 
@@ -176,7 +256,7 @@ def _stamped_capture(make: Callable[[], Target], monkeypatch: Any) -> tuple[Grap
     monkeypatch.setattr(capture, "run_step", counted)
     graph = capture.capture_target(make(), fast=True)
     assert len(made) == 1 and steps[0] is True
-    return graph, made[0].stamped if len(steps) == 1 else None
+    return graph, made[0].stamped + made[0].chains.stamped if len(steps) == 1 else None
 
 
 @pytest.mark.parametrize("case", list(CASES))

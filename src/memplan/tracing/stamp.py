@@ -14,6 +14,8 @@ the capture runs again, unstamped: a tracked tensor dies while it runs; its inco
 is a view, has other strides, or is shared and added to inside the unit; its backward never
 runs; a weight of it gets gradients from elsewhere too; a first call's own backward is not its
 side run's (``stamp_check``). ``benchmarks/capture_stamp_zoo.py`` compares every zoo entry.
+A module called again and again on its own outputs, with the same weights each time (an
+unrolled LSTM's step, one block applied repeatedly), is stamped by ``stamp_chain``.
 """
 
 from __future__ import annotations
@@ -27,17 +29,21 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from memplan.tracing import stamp_emit
+from memplan.tracing.stamp_chain import ChainStamper
 from memplan.tracing.stamp_check import foresaw
 from memplan.tracing.stamp_template import (
     Ineligible,
     StampMismatch,
     Template,
+    _autocast,
+    _frozen,
+    _no_oracle_ops,
+    _plain,
     read_forward,
     side_run,
 )
 from memplan.tracing.tracer import StepTracer
 
-_PLAIN = (int, float, bool, str, type(None))
 _VIEW_GRADS = frozenset(("aten.cat.default", "aten.stack.default"))  # backward: views of one
 __all__ = ["StampMismatch", "Stamper"]
 
@@ -49,6 +55,8 @@ class Stamper:
         self.tracer = tracer
         self.names = {id(m): name for name, m in root.named_modules()}
         self.units = _units(root)
+        self.chain_units = _chain_units(root, [m for m, _ in self.units])
+        self.chains = ChainStamper(self)
         self.templates: dict[tuple[Any, ...], Template | None] = {}
         self.stamped = 0  # calls stamped
         self.backward_done = 0  # of which the backward ran
@@ -69,6 +77,10 @@ class Stamper:
             original = module.forward
             module.forward = self._wrap(module, original, (key, _slots(module)))
             patched.append(module)
+        for module in self.chain_units:
+            original = module.forward
+            module.forward = self._wrap_chain(module, original, _slots(module))
+            patched.append(module)
         try:
             yield
         finally:
@@ -86,6 +98,14 @@ class Stamper:
                 return self._call(module, original, key, args[0])
             finally:
                 self._inside -= 1
+        return forward
+
+    def _wrap_chain(self, module: torch.nn.Module, original: Callable[..., Any], slots: Any
+                    ) -> Callable[..., Any]:
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if self._inside or kwargs:
+                return original(*args, **kwargs)
+            return self.chains.call(module, original, slots, args)
         return forward
 
     def _call(self, module: torch.nn.Module, original: Callable[..., Any], key: Any,
@@ -162,6 +182,11 @@ class Stamper:
     def end_forward(self) -> None:
         """After the tracer read every node's saves: stamped ops get their template's, and the
         first calls' own saves must be the side runs' (else the stamp was wrong)."""
+        self._inside += 1  # the chains' side runs call their modules
+        try:
+            self.chains.end_forward()
+        finally:
+            self._inside -= 1
         ops = self.tracer.ops
         for stamped, calls in ((False, self.firsts), (True, self.instances)):
             for template, op0, f0, outer in calls:
@@ -178,6 +203,7 @@ class Stamper:
         when the graph does: the template does not know when)."""
         if self.backward_done != self.stamped:
             raise StampMismatch(f"{self.stamped - self.backward_done} stamped backwards never ran")
+        self.chains.finish()
         used = {id(template) for template, *_ in self.instances}
         for template, op0, f0, outer in self.firsts:
             if id(template) in used and not foresaw(self.tracer, template, op0, f0, outer):
@@ -185,21 +211,6 @@ class Stamper:
         # A weight used outside its unit too: autograd added the grads, after the template.
         if any(p.grad is None or self.tracer._lookup(p.grad) != vid for p, vid in self.handed):
             raise StampMismatch("a stamped unit's parameter got gradients from elsewhere too")
-
-
-def _autocast() -> tuple[Any, ...]:
-    return tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
-                 for d in ("cpu", "cuda"))
-
-
-def _no_oracle_ops(tracer: StepTracer, forward: Any) -> None:
-    """A data-dependent op takes the next answer of the real forward: not stampable."""
-    oracle = tracer.oracle
-    if oracle is None:
-        return
-    watched = {info.target for func, info in tracer._info.values() if oracle.watched(func)}
-    if any(op[0] in watched for op in forward.ops):
-        raise Ineligible("a data-dependent op")
 
 
 def _units(root: torch.nn.Module) -> list[tuple[torch.nn.Module, int]]:
@@ -224,6 +235,21 @@ def _units(root: torch.nn.Module) -> list[tuple[torch.nn.Module, int]]:
             continue
         units.append((m, keys[id(m)]))
     return units
+
+
+def _chain_units(root: torch.nn.Module, units: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """Modules that may be called again and again on their own outputs (``stamp_chain``):
+    not leaves nor containers, with parameters, no hooks, no unit inside or around them."""
+    names = {id(m): name for name, m in root.named_modules()}
+    near: set[str] = set()  # the units' paths and their ancestors'
+    for u in units:
+        parts = names[id(u)].split(".")
+        near.update(".".join(parts[:k]) for k in range(1, len(parts) + 1))
+    return [m for name, m in root.named_modules() if name and m._modules
+            and name not in near and not any(".".join(name.split(".")[:k]) in near
+                                             for k in range(1, name.count(".") + 1))
+            and "forward" not in vars(m) and any(True for _ in m.parameters())
+            and not _hooked(m) and type(m) not in (torch.nn.ModuleList, torch.nn.ModuleDict)]
 
 
 def _slots(module: torch.nn.Module) -> tuple[list[tuple[torch.nn.Module, str]], ...]:
@@ -259,14 +285,3 @@ def _structure(m: torch.nn.Module, keys: dict[int, int], ids: dict[Any, int]) ->
     key = (type(m).__qualname__, type(m).__module__, attrs, tensors, children)
     keys[id(m)] = number = ids.setdefault(key, len(ids))
     return number
-
-
-def _frozen(v: Any) -> Any:
-    """A plain value, hashable (lists as tuples)."""
-    return tuple(_frozen(x) for x in v) if isinstance(v, (list, tuple)) else v
-
-
-def _plain(v: Any) -> bool:
-    if isinstance(v, _PLAIN):
-        return True
-    return isinstance(v, (tuple, list)) and all(_plain(x) for x in v)

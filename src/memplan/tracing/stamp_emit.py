@@ -20,7 +20,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from memplan.core import graph as g
 from memplan.tracing.opcache import fake_tensor
-from memplan.tracing.stamp_template import NEW, StampMismatch, Template, tensor_spec
+from memplan.tracing.stamp_template import NEW, Forward, StampMismatch, Template, tensor_spec
 from memplan.tracing.tracer import StepTracer, _OpRec, _ValueRec
 
 if TYPE_CHECKING:
@@ -54,7 +54,8 @@ class Unit(torch.autograd.Function):
                 or tracer._lookup(out) is not None:
             raise StampMismatch("a stamped call freed a tracked tensor or returned one it read")
         op0, f0 = len(tracer.ops), len(tracer.values)
-        emit_forward(tracer, template, stamper.names[id(module)], out, outer)
+        emit_forward(tracer, template.forward, stamper.names[id(module)],
+                     {template.forward.out: out}, outer)
         stamper.instances.append((template, op0, f0, outer))
         ctx.state = (stamper, template, op0, f0, outer, _proxies(tracer, template, x, out))
         ctx.specs = [(x.device, x.dtype)] + [(p.device, p.dtype) for p in params]
@@ -86,10 +87,10 @@ def _proxies(tracer: StepTracer, template: Template, x: torch.Tensor, out: torch
     return held
 
 
-def emit_forward(tracer: StepTracer, template: Template, path: str, out: torch.Tensor,
+def emit_forward(tracer: StepTracer, fwd: Forward, path: str, outs: dict[int, torch.Tensor],
                  outer: list[int]) -> None:
-    """The template's forward records for one call starting now."""
-    fwd = template.forward
+    """The forward records of ``fwd`` for one call starting now; ``outs``: its outputs (real
+    tensors), by forward value."""
     op0, f0 = len(tracer.ops), len(tracer.values)
     values, ops = tracer.values, tracer.ops
     births: dict[int, list[int]] = {}
@@ -102,7 +103,8 @@ def emit_forward(tracer: StepTracer, template: Template, path: str, out: torch.T
                           [], flops))
         for k in births.get(i, ()):
             nbytes, shape, dtype, numel, _, _, own = fwd.values[k]
-            if k == fwd.out:
+            out = outs.get(k)
+            if out is not None:
                 storage = out.untyped_storage()
                 if tracer._add(out, storage, g.ACTIVATION, op0 + i) != f0 + k \
                         or storage.nbytes() != nbytes:

@@ -25,6 +25,7 @@ from memplan.errors import MemplanError
 from memplan.tracing.tracer import StepTracer
 
 NEW = 1 << 40
+_PLAIN = (int, float, bool, str, type(None))
 
 
 class StampMismatch(MemplanError):
@@ -48,6 +49,7 @@ class Forward:
     calls: list[tuple[str, int, int, int, bool]]  # path suffix, start, end, depth, leaf
     out: int  # the output's forward value
     deaths: dict[int, list[int]] = field(default_factory=dict)  # event -> values (forward)
+    more: list[int] = field(default_factory=list)  # further outputs' forward values
 
 
 @dataclass
@@ -78,10 +80,12 @@ class Template:
 
 def read_forward(tracer: StepTracer, path: str, op0: int, v0: int, c0: int,
                  outer: list[int], out: torch.Tensor, ends: tuple[int, int] | None = None,
-                 modules: bool = True) -> Forward:
+                 modules: bool = True, more: tuple[torch.Tensor, ...] = (),
+                 absolute: bool = False) -> Forward:
     """The forward records made since op ``op0``, value ``v0``, module call ``c0``, up to
     ``ends`` (op, value; default: all) (``modules=False``: ops' module paths not read, as a
-    side run has none)."""
+    side run has none). ``more``: further outputs (``Forward.more``); ``absolute``: module
+    paths kept whole (a module called again: its ops run in the same modules each time)."""
     code = {vid: -1 - k for k, vid in enumerate(outer)}
     op1, v1 = ends or (len(tracer.ops), len(tracer.values))
     n_ops = op1 - op0
@@ -95,24 +99,30 @@ def read_forward(tracer: StepTracer, path: str, op0: int, v0: int, c0: int,
 
     ops = []
     for op in tracer.ops[op0:op1]:
-        if modules and not (op.module == path or op.module.startswith(path + ".")):
+        if modules and not absolute and not (op.module == path
+                                             or op.module.startswith(path + ".")):
             raise Ineligible(f"op in module {op.module}")
-        ops.append((op.target, op.module[len(path):] if modules else "", [rel(v) for v in op.inputs],
+        module = op.module if absolute else op.module[len(path):] if modules else ""
+        ops.append((op.target, module, [rel(v) for v in op.inputs],
                     [v - v0 for v in op.outputs], [rel(v) for v in op.mutated], op.fwd_flops))
     values = []
-    out_vid = tracer._lookup(out)
-    if out_vid is None or not v0 <= out_vid < v1:
-        raise Ineligible("output not made in the unit")
-    if out._is_view() and any(out_vid in op.mutated for op in tracer.ops[op0:op1]):
-        # A view written in place: its gradient takes a path through autograd of its own
-        # (CopySlices, a view op before the node), which one node for the unit does not.
-        raise Ineligible("output a view written in place")
-    fwd = Forward(path, ops, [], [], out_vid - v0)
+    out_vids = []
+    for t in (out, *more):
+        out_vid = tracer._lookup(t)
+        if out_vid is None or not v0 <= out_vid < v1 or out_vid in out_vids:
+            raise Ineligible("output not made in the unit")
+        if t._is_view() and any(out_vid in op.mutated for op in tracer.ops[op0:op1]):
+            # A view written in place: its gradient takes a path through autograd of its own
+            # (CopySlices, a view op before the node), which one node for the unit does not.
+            raise Ineligible("output a view written in place")
+        out_vids.append(out_vid)
+    out_vid = out_vids[0]
+    fwd = Forward(path, ops, [], [], out_vid - v0, more=[v - v0 for v in out_vids[1:]])
     for v in tracer.values[v0:v1]:
         if v.kind != g.ACTIVATION:
             raise Ineligible(f"value of kind {v.kind}")
         own = tracer.user_deaths.get(v.id)
-        if v.death is None and v.id != out_vid and not tracer._proxies.get(v.id):
+        if v.death is None and v.id not in out_vids and not tracer._proxies.get(v.id):
             raise Ineligible(f"a value outlives the unit, unsaved: {v}, "
                              f"{tracer.ops[v.producer].target}, {path}")
         values.append((v.nbytes, v.shape, v.dtype, v.numel, v.birth - op0,
@@ -122,9 +132,9 @@ def read_forward(tracer: StepTracer, path: str, op0: int, v0: int, c0: int,
             fwd.deaths.setdefault(v.death - op0, []).append(v.id - v0)
     fwd.values = values
     for c in tracer.module_calls[c0:]:
-        if not c.path.startswith(path + "."):
+        if not absolute and not c.path.startswith(path + "."):
             raise Ineligible(f"module call {c.path}")
-        fwd.calls.append((c.path[len(path):], c.start - op0, c.end - op0, c.depth, c.leaf))
+        fwd.calls.append((c.path if absolute else c.path[len(path):], c.start - op0, c.end - op0, c.depth, c.leaf))
     if any(b is not None and not 0 <= b < n_ops for _, _, _, _, b, _, _ in values):
         raise Ineligible("birth outside the unit")
     return fwd
@@ -289,3 +299,29 @@ def tensor_spec(t: torch.Tensor) -> tuple[Any, ...]:
 
 def _rel_event(e: int, ws: int) -> int:
     return -1 if e < 0 else e - ws
+
+
+def _autocast() -> tuple[Any, ...]:
+    return tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
+                 for d in ("cpu", "cuda"))
+
+
+def _frozen(v: Any) -> Any:
+    """A plain value, hashable (lists as tuples)."""
+    return tuple(_frozen(x) for x in v) if isinstance(v, (list, tuple)) else v
+
+
+def _plain(v: Any) -> bool:
+    if isinstance(v, _PLAIN):
+        return True
+    return isinstance(v, (tuple, list)) and all(_plain(x) for x in v)
+
+
+def _no_oracle_ops(tracer: StepTracer, forward: Any) -> None:
+    """A data-dependent op takes the next answer of the real forward: not stampable."""
+    oracle = tracer.oracle
+    if oracle is None:
+        return
+    watched = {info.target for func, info in tracer._info.values() if oracle.watched(func)}
+    if any(op[0] in watched for op in forward.ops):
+        raise Ineligible("a data-dependent op")

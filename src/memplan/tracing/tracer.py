@@ -95,6 +95,7 @@ class StepTracer(AutogradNodes, TorchDispatchMode):  # type: ignore[no-untyped-c
         self.in_model = False
         self.model_ops = 0  # forward ops inside the model call (the rest is the loss)
         self._paused = 0
+        self.paused_ops: list[str] | None = None  # when a list: counted ops run paused, logged
         self._grad_of = -1
         # (forward op, its outputs (and whether to read the node off their base), tries)
         self._pending: list[tuple[int, list[tuple[weakref.ref[torch.Tensor], bool]], int]] = []
@@ -265,6 +266,8 @@ class StepTracer(AutogradNodes, TorchDispatchMode):  # type: ignore[no-untyped-c
             # prim.device & co. are metadata queries of tensor subclasses, not computation;
             # autograd dispatches detach for saved outputs only when no saved-tensor hooks are
             # set (the runtime sets them), and detach allocates nothing.
+            if self.paused_ops is not None and info.counted:
+                self.paused_ops.append(info.target)
             return self._run(func, args, kwargs)
         if self._pending:
             self._hook_pending_nodes()

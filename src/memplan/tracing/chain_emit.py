@@ -1,0 +1,190 @@
+"""A stamped chained call's backward (``stamp_chain``): the records of its template window
+(``chain_side.Window``), and the gradients it hands autograd: the incoming one where the call
+passes it on as it is (a running loss), real fake tensors of the template's specs where it made
+them (a view of one where it hands a slice), and, from the earliest stamped call only, the
+weights' running sums."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+
+from memplan.core import graph as g
+from memplan.tracing.chain_side import Window
+from memplan.tracing.opcache import fake_tensor
+from memplan.tracing.stamp_emit import _unwatch, vid
+from memplan.tracing.stamp_template import NEW, StampMismatch, tensor_spec
+from memplan.tracing.tracer import StepTracer, _OpRec, _ValueRec
+
+_META = torch.device("meta")
+
+
+def hold(tracer: StepTracer, codes: set[int], tensors: list[torch.Tensor],
+         outs: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+    """Save proxies of the call's arguments and outputs its nodes save, by code."""
+    held = {}
+    for c in codes:
+        t = tensors[-1 - c] if c < 0 else outs[c]
+        held[c] = tracer.pack(t)
+    return held
+
+
+def emit_window(tracer: StepTracer, win: Window, op0: int, f0: int, outer: list[int],
+                grads: tuple[Any, ...], sums_in: list[int], held: dict[int, torch.Tensor],
+                hand_sums: bool, specs: list[tuple[torch.device, torch.dtype]]
+                ) -> tuple[list[torch.Tensor | None], list[int]]:
+    """The window's records for one call, starting after the current event; returns what to
+    hand autograd (per input requiring grad, then the sums if ``hand_sums``) and the values
+    holding the running sums after it."""
+    gvids = []
+    for j, (grad, spec) in enumerate(zip(grads, win.incoming)):
+        if (grad is None) != (spec is None):
+            raise StampMismatch("a chained call's incoming gradients are not its template's")
+        if grad is None:
+            gvids.append(-1)
+            continue
+        v = tracer._lookup(grad) if type(grad) is FakeTensor else None
+        if v is None or (tensor_spec(grad), grad._is_view(),
+                         int(grad.untyped_storage().nbytes())) != spec:
+            raise StampMismatch("a chained call's incoming gradient is not its template's")
+        if j in win.dying and (tracer._proxies.get(v) or not _unwatch(tracer, grad)):
+            raise StampMismatch("a chained call's incoming gradient is held elsewhere")
+        gvids.append(v)
+    if win.takes_sums and len(sums_in) != len(win.sums):
+        raise StampMismatch("a middle chained call without running sums")
+    codes = [*outer, *gvids, *sums_in]
+    ws, n0 = tracer.event, len(tracer.values)
+    values, ops = tracer.values, tracer.ops
+    births: dict[int, list[int]] = {}
+    for k, val in enumerate(win.values):
+        births.setdefault(val[4], []).append(k)
+    for i, (unpack, release) in enumerate(win.events):
+        ops[op0 + i].unpack_event = -1 if unpack < 0 else ws + unpack
+        ops[op0 + i].release_event = -1 if release < 0 else ws + release
+    releases: dict[int, list[int]] = {}
+    for c, r in win.releases.items():
+        releases.setdefault(r, []).append(c)
+    real = {h[1]: h for h in win.handed if h[0] == "new"}
+    sum_at = {k: p for p, k in enumerate(win.sums)} if hand_sums else {}
+    made: dict[int, torch.Tensor] = {}
+    ops_at = {ws + 1 + k: op for k, op in enumerate(win.ops)}
+    backward_ops = tracer.backward_ops
+    n_fwd = len(ops)
+    for r in range(win.length + 1):
+        e = ws + r
+        tracer.event = e
+        op = ops_at.get(e)
+        if op is not None:
+            if e - n_fwd - len(backward_ops) != 0:
+                raise StampMismatch("backward events out of step")
+            target, inputs, outputs, mutated, flops, grad_of = op
+            fwd_op = ops[op0 + grad_of]
+            backward_ops.append(_OpRec(
+                len(backward_ops), target, fwd_op.module,
+                [vid(c, f0, codes, n0) for c in inputs], [n0 + c for c in outputs],
+                [vid(c, f0, codes, n0) for c in mutated], [], flops, 0, op0 + grad_of))
+            fwd_op.bwd_flops += flops
+        for k in births.get(r, ()):
+            _birth(tracer, win, k, n0, made, real, sum_at, specs)
+        if op is not None:
+            tracer._note_peak()
+        for c in win.deaths.get(r, ()):
+            rec = values[vid(c, f0, codes, n0)]
+            rec.death = e
+            tracer.live_bytes -= rec.nbytes
+        for c in releases.get(r, ()):
+            held.pop(c, None)  # the proxy's own callback records a death, at this event
+    if held:
+        raise StampMismatch("a saved argument of a chained call never released")
+    tracer._grad_of = op0 + win.last_grad_of
+    handed: list[torch.Tensor | None] = []
+    for h in win.handed:
+        handed.append(grads[h[1]] if h[0] == "in" else made[h[1]])
+    if hand_sums:
+        handed.extend(made[NEW + k] for k in win.sums)
+    return handed, [n0 + k for k in win.sums]
+
+
+def _birth(tracer: StepTracer, win: Window, k: int, n0: int, made: dict[int, torch.Tensor],
+           real: dict[int, tuple[Any, ...]], sum_at: dict[int, int],
+           specs: list[tuple[torch.device, torch.dtype]]) -> None:
+    nbytes, shape, dtype, numel, _ = win.values[k]
+    hand = real.get(k)
+    if hand is None and k not in sum_at:
+        tracer.values.append(_ValueRec(n0 + k, nbytes, g.BACKWARD, -1, tracer.event, None,
+                                       shape, dtype, numel))
+        tracer.live_bytes += nbytes
+        return
+    position = win.handed.index(hand) if hand is not None else len(win.handed) + sum_at[k]
+    device, torch_dtype = specs[position]
+    with torch._C._DisableTorchDispatch():  # a fake tensor made as the fake mode makes one
+        elem = torch.empty_strided(shape, _contiguous(shape), dtype=torch_dtype,
+                                   device=_META)
+        if elem.untyped_storage().nbytes() != nbytes:
+            elem = torch.empty((nbytes // elem.element_size(),), dtype=torch_dtype,
+                               device=_META)
+    t = fake_tensor(tracer.fake, elem, device)  # type: ignore[arg-type]
+    storage = t.untyped_storage()
+    if tracer._add(t, storage, g.BACKWARD, -1) != n0 + k or storage.nbytes() != nbytes:
+        raise StampMismatch("a handed-on gradient is not the template's")
+    tracer.values[n0 + k].shape = shape
+    if hand is not None:
+        _, _, size, stride, offset, view = hand
+        if view or tuple(size) != tuple(t.shape) or tuple(stride) != t.stride() or offset:
+            with tracer.paused():
+                t = t.as_strided(size, stride, offset)
+        made[k] = t
+    if k in sum_at:
+        made[NEW + k] = t
+
+
+def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for n in reversed(shape):
+        stride.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(stride))
+
+
+def foresaw(tracer: StepTracer, win: Window, op0: int, f0: int, outer: list[int],
+            n_ops: int) -> bool:
+    """Whether the traced backward of a chained call (forward ops from ``op0``, values from
+    ``f0``) is ``win``'s, op for op, event for event, death for death."""
+    ops = tracer.ops[op0:op0 + n_ops]
+    starts = [op.unpack_event for op in ops if op.unpack_event >= 0]
+    if not starts:
+        return False
+    ws, n_fwd = min(starts), len(tracer.ops)
+    window = tracer.backward_ops[ws + 1 - n_fwd:ws + 1 - n_fwd + len(win.ops)]
+    if len(window) != len(win.ops):
+        return False
+    names: dict[int, int] = {}  # code -> value, for new values, incoming gradients, sums
+
+    def same(codes: list[int], vids: Any) -> bool:
+        if len(codes) != len(vids):
+            return False
+        for c, v in zip(codes, vids):
+            if c >= NEW or c <= -1 - len(outer):
+                if names.setdefault(c, v) != v:
+                    return False
+            elif vid(c, f0, outer, 0) != v:
+                return False
+        return True
+
+    for (target, inputs, outputs, mutated, flops, grad_of), b in zip(win.ops, window):
+        if (b.target, b.grad_of, b.fwd_flops) != (target, op0 + grad_of, flops) \
+                or not same(inputs, b.inputs) or not same([NEW + c for c in outputs], b.outputs) \
+                or not same(mutated, b.mutated):
+            return False
+    for op, (unpack, release) in zip(ops, win.events):
+        if (op.unpack_event, op.release_event) != (
+                -1 if unpack < 0 else ws + unpack, -1 if release < 0 else ws + release):
+            return False
+    for r, codes in win.deaths.items():
+        for c in codes:
+            v = names.get(c) if c >= NEW or c <= -1 - len(outer) else f0 + c
+            if v is None or tracer.values[v].death != ws + r:
+                return False
+    return True
