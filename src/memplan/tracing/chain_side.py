@@ -23,8 +23,8 @@ from memplan.tracing.stamp_template import (
     NEW,
     Forward,
     Ineligible,
-    _like,
-    _window,
+    backward_window,
+    empty_like_strided,
     read_forward,
     tensor_spec,
 )
@@ -104,8 +104,8 @@ def side_run(main: StepTracer, module: torch.nn.Module, fwd: Forward, flat: list
     tensors = [a for a in flat if isinstance(a, ArgSpec)]
     with main.paused():
         leaves = [t.make().requires_grad_() for t in tensors if t.requires_grad]
-        p2 = [_like(p).requires_grad_(p.requires_grad) for p in params]
-        b2 = [_like(b) for b in buffers]
+        p2 = [empty_like_strided(p).requires_grad_(p.requires_grad) for p in params]
+        b2 = [empty_like_strided(b) for b in buffers]
         others = [[t.make() for t in tensors if not t.requires_grad] for _ in range(2)]
     for t in (*leaves, *others[0], *others[1]):
         side.register(t, g.INPUT)
@@ -171,7 +171,7 @@ def side_run(main: StepTracer, module: torch.nn.Module, fwd: Forward, flat: list
                  [_spec(side, t) for t in given[1]], [], firsts, saved[1], calls_values)
     # Values of the side run's own loss may die anywhere (autograd frees a node's inputs
     # late); the calls' forward values and the last call's backward values may not.
-    ws, we, _ = _window(side, range(calls[1].op0, calls[1].op1))
+    ws, we, _ = backward_window(side, range(calls[1].op0, calls[1].op1))
     born = [v.id for v in side.values if v.kind in (g.BACKWARD, g.GRADIENT)
             and ws < v.birth <= we]
     foreign = set(calls_values) | set(born)
@@ -249,7 +249,7 @@ def _read(side: StepTracer, call: SideCall, incoming: list[tuple[int, Spec] | No
     that must not die in this window unless coded."""
     op0, op1, v0, v1, outer, _ = call
     unit = range(op0, op1)
-    ws, we, window = _window(side, unit)
+    ws, we, window = backward_window(side, unit)
     n_outer, n_out = len(outer), len(incoming)
     outs = set(_vids(side, call.outs))
     code: dict[int, int] = {v: -1 - k for k, v in enumerate(outer)}
