@@ -1,5 +1,5 @@
 """A stamped chained call's backward (``stamp_chain``): the records of its template window
-(``chain_side.Window``), and the gradients it hands autograd: the incoming one where the call
+(``chain_window.Window``), and the gradients it hands autograd: the incoming one where the call
 passes it on as it is (a running loss), real fake tensors of the template's specs where it made
 them (a view of one where it hands a slice), and, from the earliest stamped call only, the
 weights' running sums."""
@@ -12,7 +12,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from memplan.core import graph as g
-from memplan.tracing.chain_side import Window
+from memplan.tracing.chain_window import Window
 from memplan.tracing.opcache import fake_tensor
 from memplan.tracing.stamp_emit import _unwatch, vid
 from memplan.tracing.stamp_template import NEW, StampMismatch, tensor_spec
