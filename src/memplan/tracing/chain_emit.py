@@ -1,18 +1,18 @@
 """A stamped chained call's backward (``stamp_chain``): the records of its template window
-(``chain_side.Window``), and the gradients it hands autograd: the incoming one where the call
+(``chain_window.Window``), and the gradients it hands autograd: the incoming one where the call
 passes it on as it is (a running loss), real fake tensors of the template's specs where it made
 them (a view of one where it hands a slice), and, from the earliest stamped call only, the
 weights' running sums."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from memplan.core import graph as g
-from memplan.tracing.chain_side import Window
+from memplan.tracing.chain_window import Window
 from memplan.tracing.opcache import fake_tensor
 from memplan.tracing.stamp_emit import _unwatch, vid
 from memplan.tracing.stamp_template import NEW, StampMismatch, tensor_spec
@@ -31,6 +31,17 @@ def hold(tracer: StepTracer, codes: set[int], tensors: list[torch.Tensor],
     return held
 
 
+class _At(NamedTuple):
+    """Where one call's window is stamped: its first forward op and forward value, the event
+    before the window, its first new value, and the values its outer codes name."""
+
+    op0: int
+    f0: int
+    ws: int
+    n0: int
+    codes: list[int]
+
+
 def emit_window(tracer: StepTracer, win: Window, op0: int, f0: int, outer: list[int],
                 grads: tuple[Any, ...], sums_in: list[int], held: dict[int, torch.Tensor],
                 hand_sums: bool, specs: list[tuple[torch.device, torch.dtype]]
@@ -38,6 +49,28 @@ def emit_window(tracer: StepTracer, win: Window, op0: int, f0: int, outer: list[
     """The window's records for one call, starting after the current event; returns what to
     hand autograd (per input requiring grad, then the sums if ``hand_sums``) and the values
     holding the running sums after it."""
+    gvids = _incoming(tracer, win, grads)
+    if win.takes_sums and len(sums_in) != len(win.sums):
+        raise StampMismatch("a middle chained call without running sums")
+    at = _At(op0, f0, tracer.event, len(tracer.values), [*outer, *gvids, *sums_in])
+    for i, (unpack, release) in enumerate(win.events):
+        tracer.ops[op0 + i].unpack_event = -1 if unpack < 0 else at.ws + unpack
+        tracer.ops[op0 + i].release_event = -1 if release < 0 else at.ws + release
+    made = _run_events(tracer, win, at, held, hand_sums, specs)
+    if held:
+        raise StampMismatch("a saved argument of a chained call never released")
+    tracer._grad_of = op0 + win.last_grad_of
+    handed: list[torch.Tensor | None] = []
+    for h in win.handed:
+        handed.append(grads[h[1]] if h[0] == "in" else made[h[1]])
+    if hand_sums:
+        handed.extend(made[NEW + k] for k in win.sums)
+    return handed, [at.n0 + k for k in win.sums]
+
+
+def _incoming(tracer: StepTracer, win: Window, grads: tuple[Any, ...]) -> list[int]:
+    """The values of the call's incoming gradients (-1: none), each of the template's spec;
+    one the window frees must be held by nothing else, or its death would be another's."""
     gvids = []
     for j, (grad, spec) in enumerate(zip(grads, win.incoming)):
         if (grad is None) != (spec is None):
@@ -52,59 +85,58 @@ def emit_window(tracer: StepTracer, win: Window, op0: int, f0: int, outer: list[
         if j in win.dying and (tracer._proxies.get(v) or not _unwatch(tracer, grad)):
             raise StampMismatch("a chained call's incoming gradient is held elsewhere")
         gvids.append(v)
-    if win.takes_sums and len(sums_in) != len(win.sums):
-        raise StampMismatch("a middle chained call without running sums")
-    codes = [*outer, *gvids, *sums_in]
-    ws, n0 = tracer.event, len(tracer.values)
-    values, ops = tracer.values, tracer.ops
+    return gvids
+
+
+def _run_events(tracer: StepTracer, win: Window, at: _At, held: dict[int, torch.Tensor],
+                hand_sums: bool, specs: list[tuple[torch.device, torch.dtype]]
+                ) -> dict[int, torch.Tensor]:
+    """The window event by event, in the order the traced backward records an event: its op,
+    the values born, the peak, the deaths, the save proxies released. Returns the tensors made
+    to hand on (by new value; ``NEW +`` it for a running sum)."""
     births: dict[int, list[int]] = {}
     for k, val in enumerate(win.values):
         births.setdefault(val[4], []).append(k)
-    for i, (unpack, release) in enumerate(win.events):
-        ops[op0 + i].unpack_event = -1 if unpack < 0 else ws + unpack
-        ops[op0 + i].release_event = -1 if release < 0 else ws + release
     releases: dict[int, list[int]] = {}
     for c, r in win.releases.items():
         releases.setdefault(r, []).append(c)
     real = {h[1]: h for h in win.handed if h[0] == "new"}
     sum_at = {k: p for p, k in enumerate(win.sums)} if hand_sums else {}
     made: dict[int, torch.Tensor] = {}
-    ops_at = {ws + 1 + k: op for k, op in enumerate(win.ops)}
-    backward_ops = tracer.backward_ops
-    n_fwd = len(ops)
+    ops_at = {at.ws + 1 + k: op for k, op in enumerate(win.ops)}
+    n_fwd = len(tracer.ops)
     for r in range(win.length + 1):
-        e = ws + r
+        e = at.ws + r
         tracer.event = e
         op = ops_at.get(e)
         if op is not None:
-            if e - n_fwd - len(backward_ops) != 0:
+            if e - n_fwd - len(tracer.backward_ops) != 0:
                 raise StampMismatch("backward events out of step")
-            target, inputs, outputs, mutated, flops, grad_of = op
-            fwd_op = ops[op0 + grad_of]
-            backward_ops.append(_OpRec(
-                len(backward_ops), target, fwd_op.module,
-                [vid(c, f0, codes, n0) for c in inputs], [n0 + c for c in outputs],
-                [vid(c, f0, codes, n0) for c in mutated], [], flops, 0, op0 + grad_of))
-            fwd_op.bwd_flops += flops
+            _emit_op(tracer, op, at)
         for k in births.get(r, ()):
-            _birth(tracer, win, k, n0, made, real, sum_at, specs)
+            _birth(tracer, win, k, at.n0, made, real, sum_at, specs)
         if op is not None:
             tracer._note_peak()
         for c in win.deaths.get(r, ()):
-            rec = values[vid(c, f0, codes, n0)]
+            rec = tracer.values[vid(c, at.f0, at.codes, at.n0)]
             rec.death = e
             tracer.live_bytes -= rec.nbytes
         for c in releases.get(r, ()):
             held.pop(c, None)  # the proxy's own callback records a death, at this event
-    if held:
-        raise StampMismatch("a saved argument of a chained call never released")
-    tracer._grad_of = op0 + win.last_grad_of
-    handed: list[torch.Tensor | None] = []
-    for h in win.handed:
-        handed.append(grads[h[1]] if h[0] == "in" else made[h[1]])
-    if hand_sums:
-        handed.extend(made[NEW + k] for k in win.sums)
-    return handed, [n0 + k for k in win.sums]
+    return made
+
+
+def _emit_op(tracer: StepTracer, op: tuple[str, list[int], list[int], list[int], int, int],
+             at: _At) -> None:
+    """One backward op of the window, recorded as the tracer records a node's op; its flops
+    counted to the forward op it is the gradient of."""
+    target, inputs, outputs, mutated, flops, grad_of = op
+    fwd_op = tracer.ops[at.op0 + grad_of]
+    tracer.backward_ops.append(_OpRec(
+        len(tracer.backward_ops), target, fwd_op.module,
+        [vid(c, at.f0, at.codes, at.n0) for c in inputs], [at.n0 + c for c in outputs],
+        [vid(c, at.f0, at.codes, at.n0) for c in mutated], [], flops, 0, at.op0 + grad_of))
+    fwd_op.bwd_flops += flops
 
 
 def _birth(tracer: StepTracer, win: Window, k: int, n0: int, made: dict[int, torch.Tensor],

@@ -35,10 +35,10 @@ from memplan.tracing.stamp_template import (
     Ineligible,
     StampMismatch,
     Template,
-    _autocast,
-    _frozen,
-    _no_oracle_ops,
-    _plain,
+    autocast_key,
+    frozen_value,
+    is_plain,
+    no_oracle_ops,
     read_forward,
     side_run,
 )
@@ -118,7 +118,7 @@ class Stamper:
             return original(x)  # its grads would be added to: the shared-weight case
         self._called.add(id(module))
         full = (key, tuple(x.shape), x.stride(), x.dtype, x.device, x.storage_offset(), x._is_view(),
-                _autocast(), tuple((p.shape, p.dtype, p.requires_grad) for p in params))
+                autocast_key(), tuple((p.shape, p.dtype, p.requires_grad) for p in params))
         if full not in self.templates:
             return self._learn(full, module, original, x, params)
         template = self.templates[full]
@@ -156,7 +156,7 @@ class Stamper:
         path = self.names[id(module)]
         try:
             forward = read_forward(tracer, path, op0, v0, c0, outer, out)  # type: ignore[arg-type]
-            _no_oracle_ops(tracer, forward)
+            no_oracle_ops(tracer, forward)
             names = ([n for n, _ in module.named_parameters()],
                      [n for n, _ in module.named_buffers()])
             backward = side_run(tracer, module, forward, names, x, params, buffers)
@@ -276,7 +276,7 @@ def _structure(m: torch.nn.Module, keys: dict[int, int], ids: dict[Any, int]) ->
     """What a module's forward may depend on besides its input (class, plain attributes such
     as stride, eps and training, other attributes by identity, parameters' and buffers' specs,
     children), numbered: equal numbers, equal structures. Fills ``keys`` for every module."""
-    attrs = tuple((k, _frozen(v) if _plain(v) else ("id", id(v)))
+    attrs = tuple((k, frozen_value(v) if is_plain(v) else ("id", id(v)))
                   for k, v in sorted(vars(m).items()) if not k.startswith("_"))
     tensors = tuple((n, tuple(t.shape), t.dtype, t.requires_grad)
                     for n, t in (*m._parameters.items(), *m._buffers.items()) if t is not None)

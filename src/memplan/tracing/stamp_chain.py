@@ -27,10 +27,10 @@ from memplan.tracing.stamp_template import (
     Forward,
     Ineligible,
     StampMismatch,
-    _autocast,
-    _frozen,
-    _no_oracle_ops,
-    _plain,
+    autocast_key,
+    frozen_value,
+    is_plain,
+    no_oracle_ops,
     read_forward,
 )
 from memplan.tracing.tracer import StepTracer
@@ -147,7 +147,7 @@ class ChainStamper:
         try:
             forward = read_forward(tracer, "", op0, v0, c0, outer, flat_out[0],
                                    more=tuple(flat_out[1:]), absolute=True)
-            _no_oracle_ops(tracer, forward)
+            no_oracle_ops(tracer, forward)
         except Ineligible:
             chain.broken = True
             return out
@@ -342,9 +342,9 @@ def _key(flat: list[Any], spec: Any, params: list[torch.Tensor]) -> Any:
             leaves.append((tuple(a.shape), a.stride(), a.dtype, a.device, a.requires_grad,
                            a._is_view(), a.storage_offset() if a.requires_grad else None,
                            shared))
-        elif _plain(a):
-            leaves.append(("value", _frozen(a)))
+        elif is_plain(a):
+            leaves.append(("value", frozen_value(a)))
         else:
             return None
-    return (str(spec), tuple(leaves), _autocast(),
+    return (str(spec), tuple(leaves), autocast_key(),
             tuple((p.shape, p.dtype, p.requires_grad) for p in params))

@@ -140,7 +140,8 @@ def read_forward(tracer: StepTracer, path: str, op0: int, v0: int, c0: int,
     return fwd
 
 
-def _like(t: torch.Tensor) -> torch.Tensor:
+def empty_like_strided(t: torch.Tensor) -> torch.Tensor:
+    """A fresh tensor of ``t``'s shape, strides, dtype and device (contents unset)."""
     return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
 
 
@@ -151,9 +152,9 @@ def side_run(main: StepTracer, module: torch.nn.Module, fwd: Forward,
     side = StepTracer(record=True, fake=main.fake)
     side._run = main._run  # the same fake-op cache
     with main.paused():
-        x_leaf = _like(x).requires_grad_()
-        p2 = [_like(p).requires_grad_(p.requires_grad) for p in params]
-        b2 = [_like(b) for b in buffers]
+        x_leaf = empty_like_strided(x).requires_grad_()
+        p2 = [empty_like_strided(p).requires_grad_(p.requires_grad) for p in params]
+        b2 = [empty_like_strided(b) for b in buffers]
     outer = [side.register(x_leaf, g.INPUT)]
     outer += [side.register(p, g.PARAMETER) for p in p2]
     outer += [side.register(b, g.BUFFER) for b in b2]
@@ -204,7 +205,7 @@ def _read_backward(side: StepTracer, op0: int, op1: int, v0: int, v1: int, outer
     """The side run's backward window: from the event before the unit's first node ran to
     its last op or release, every event the unit's; codes as the module docstring says."""
     unit = range(op0, op1)
-    ws, we, window = _window(side, unit)
+    ws, we, window = backward_window(side, unit)
     code = {vid: -1 - k for k, vid in enumerate(outer)}
     new0 = next((v.id for v in side.values if v.kind == g.BACKWARD and v.birth > ws), None)
     # The incoming gradient: made before the window, read and freed inside it. Other values
@@ -260,7 +261,7 @@ def _read_backward(side: StepTracer, op0: int, op1: int, v0: int, v1: int, outer
                     read_only)
 
 
-def _window(side: StepTracer, unit: range) -> tuple[int, int, list[Any]]:
+def backward_window(side: StepTracer, unit: range) -> tuple[int, int, list[Any]]:
     """The event before the unit's first node ran, its last event, and its backward ops:
     none of another node among them."""
     n_fwd = len(side.ops)
@@ -301,23 +302,25 @@ def _rel_event(e: int, ws: int) -> int:
     return -1 if e < 0 else e - ws
 
 
-def _autocast() -> tuple[Any, ...]:
+def autocast_key() -> tuple[Any, ...]:
+    """The autocast state per device, part of a stamp's key: a call under another is traced."""
     return tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
                  for d in ("cpu", "cuda"))
 
 
-def _frozen(v: Any) -> Any:
+def frozen_value(v: Any) -> Any:
     """A plain value, hashable (lists as tuples)."""
-    return tuple(_frozen(x) for x in v) if isinstance(v, (list, tuple)) else v
+    return tuple(frozen_value(x) for x in v) if isinstance(v, (list, tuple)) else v
 
 
-def _plain(v: Any) -> bool:
+def is_plain(v: Any) -> bool:
+    """Whether ``v`` is a plain value (or a list or tuple of them), compared by value."""
     if isinstance(v, _PLAIN):
         return True
-    return isinstance(v, (tuple, list)) and all(_plain(x) for x in v)
+    return isinstance(v, (tuple, list)) and all(is_plain(x) for x in v)
 
 
-def _no_oracle_ops(tracer: StepTracer, forward: Any) -> None:
+def no_oracle_ops(tracer: StepTracer, forward: Any) -> None:
     """A data-dependent op takes the next answer of the real forward: not stampable."""
     oracle = tracer.oracle
     if oracle is None:
