@@ -14,7 +14,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from memplan.core import graph as g
 from memplan.tracing.chain_window import Window
 from memplan.tracing.opcache import fake_tensor
-from memplan.tracing.stamp_emit import _unwatch, vid
+from memplan.tracing.stamp_emit import unwatch, vid
 from memplan.tracing.stamp_template import NEW, StampMismatch, tensor_spec
 from memplan.tracing.tracer import StepTracer, _OpRec, _ValueRec
 
@@ -25,7 +25,7 @@ def hold(tracer: StepTracer, codes: set[int], tensors: list[torch.Tensor],
          outs: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
     """Save proxies of the call's arguments and outputs its nodes save, by code."""
     held = {}
-    for c in codes:
+    for c in sorted(codes):  # a fixed order: proxies are made in it
         t = tensors[-1 - c] if c < 0 else outs[c]
         held[c] = tracer.pack(t)
     return held
@@ -82,7 +82,7 @@ def _incoming(tracer: StepTracer, win: Window, grads: tuple[Any, ...]) -> list[i
         if v is None or (tensor_spec(grad), grad._is_view(),
                          int(grad.untyped_storage().nbytes())) != spec:
             raise StampMismatch("a chained call's incoming gradient is not its template's")
-        if j in win.dying and (tracer._proxies.get(v) or not _unwatch(tracer, grad)):
+        if j in win.dying and (tracer._proxies.get(v) or not unwatch(tracer, grad)):
             raise StampMismatch("a chained call's incoming gradient is held elsewhere")
         gvids.append(v)
     return gvids

@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 import torch
 
 from memplan.core import graph as g
-from memplan.tracing.stamp_template import NEW, Ineligible, backward_window
+from memplan.tracing.stamp_template import NEW, Ineligible, backward_window, rel_event
 from memplan.tracing.tracer import StepTracer
 
 Spec = tuple[Any, ...]  # (tensor_spec, is a view, its storage's bytes)
@@ -122,7 +122,7 @@ def read_window(side: StepTracer, call: SideCall, incoming: list[tuple[int, Spec
         if (v.death is None or v.death > we) != (v.id - codes.new0 in kept):
             raise Ineligible("a backward value outlives the call, or one handed on dies")
     deaths, dying = _deaths(side, (ws, we), codes, outs, foreign)
-    events = [(_rel(side.ops[i].unpack_event, ws), _rel(side.ops[i].release_event, ws))
+    events = [(rel_event(side.ops[i].unpack_event, ws), rel_event(side.ops[i].release_event, ws))
               for i in unit]
     releases = _releases(saved, events, call.v0, outs)
     last = max(unit, key=lambda i: side.ops[i].unpack_event)
@@ -216,6 +216,3 @@ def _releases(saved: list[list[int]], events: list[tuple[int, int]], v0: int,
         raise Ineligible("a saved argument never released")
     return releases
 
-
-def _rel(e: int, ws: int) -> int:
-    return -1 if e < 0 else e - ws

@@ -142,7 +142,7 @@ def emit_backward(tracer: StepTracer, template: Template, op0: int, f0: int, out
     holders = torch._C._storage_Use_Count(grad.untyped_storage()._cdata) - 1  # this call's
     if gvid is None or tracer._proxies.get(gvid) or tensor_spec(grad) != bwd.incoming_spec \
             or grad._is_view() or holders > grad._use_count() \
-            or (shared and not bwd.incoming_read_only) or not (shared or _unwatch(tracer, grad)):
+            or (shared and not bwd.incoming_read_only) or not (shared or unwatch(tracer, grad)):
         raise StampMismatch("the incoming gradient is not one the template foresaw")
     incoming = -1 - len(outer)
     outer = [*outer, gvid]
@@ -208,7 +208,7 @@ def _birth(tracer: StepTracer, bwd: Any, k: int, n0: int, made: dict[int, torch.
     made[position] = t
 
 
-def _unwatch(tracer: StepTracer, t: torch.Tensor) -> bool:
+def unwatch(tracer: StepTracer, t: torch.Tensor) -> bool:
     """Stop tracking ``t``'s storage (the stamp records its death): False if not tracked."""
     storage = t.untyped_storage()
     entry = tracer._watched.pop(weakref.ref(storage), None)

@@ -246,7 +246,7 @@ def _read_backward(side: StepTracer, op0: int, op1: int, v0: int, v1: int, outer
             c = rel(v.id)
             if (c >= 0 and c != out) or c == -1 - len(outer):
                 deaths.setdefault(v.death - ws, []).append(c)
-    events = [(_rel_event(side.ops[i].unpack_event, ws), _rel_event(side.ops[i].release_event, ws))
+    events = [(rel_event(side.ops[i].unpack_event, ws), rel_event(side.ops[i].release_event, ws))
               for i in unit]
     saved = [[rel(v) for v in side.ops[i].saved] for i in unit]
     # The unit's input and output live on outside it: kept by a save proxy each while a node
@@ -298,7 +298,8 @@ def tensor_spec(t: torch.Tensor) -> tuple[Any, ...]:
     return tuple(t.shape), t.stride(), t.storage_offset(), t.dtype
 
 
-def _rel_event(e: int, ws: int) -> int:
+def rel_event(e: int, ws: int) -> int:
+    """An event relative to a window starting at ws; -1 stays 'none'."""
     return -1 if e < 0 else e - ws
 
 
