@@ -14,6 +14,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from memplan.core import graph as g
 from memplan.tracing.chain_window import Window
 from memplan.tracing.opcache import fake_tensor
+from memplan.tracing.stamp_check import matched
 from memplan.tracing.stamp_emit import unwatch, vid
 from memplan.tracing.stamp_template import NEW, StampMismatch, tensor_spec
 from memplan.tracing.tracer import StepTracer, _OpRec, _ValueRec
@@ -180,40 +181,13 @@ def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
-def foresaw(tracer: StepTracer, win: Window, op0: int, f0: int, outer: list[int],
-            n_ops: int) -> bool:
+def foresaw(tracer: StepTracer, win: Window, op0: int, f0: int, outer: list[int]) -> bool:
     """Whether the traced backward of a chained call (forward ops from ``op0``, values from
     ``f0``) is ``win``'s, op for op, event for event, death for death."""
-    ops = tracer.ops[op0:op0 + n_ops]
-    starts = [op.unpack_event for op in ops if op.unpack_event >= 0]
-    if not starts:
+    hit = matched(tracer, win.ops, win.events, op0, f0, outer)
+    if hit is None:
         return False
-    ws, n_fwd = min(starts), len(tracer.ops)
-    window = tracer.backward_ops[ws + 1 - n_fwd:ws + 1 - n_fwd + len(win.ops)]
-    if len(window) != len(win.ops):
-        return False
-    names: dict[int, int] = {}  # code -> value, for new values, incoming gradients, sums
-
-    def same(codes: list[int], vids: Any) -> bool:
-        if len(codes) != len(vids):
-            return False
-        for c, v in zip(codes, vids):
-            if c >= NEW or c <= -1 - len(outer):
-                if names.setdefault(c, v) != v:
-                    return False
-            elif vid(c, f0, outer, 0) != v:
-                return False
-        return True
-
-    for (target, inputs, outputs, mutated, flops, grad_of), b in zip(win.ops, window):
-        if (b.target, b.grad_of, b.fwd_flops) != (target, op0 + grad_of, flops) \
-                or not same(inputs, b.inputs) or not same([NEW + c for c in outputs], b.outputs) \
-                or not same(mutated, b.mutated):
-            return False
-    for op, (unpack, release) in zip(ops, win.events):
-        if (op.unpack_event, op.release_event) != (
-                -1 if unpack < 0 else ws + unpack, -1 if release < 0 else ws + release):
-            return False
+    ws, names = hit
     for r, codes in win.deaths.items():
         for c in codes:
             v = names.get(c) if c >= NEW or c <= -1 - len(outer) else f0 + c

@@ -256,7 +256,7 @@ class ChainStamper:
             first = chain.first
             assert first is not None and chain.template is not None
             if not chain_emit.foresaw(tracer, chain.template.middle, first.op0, first.f0,
-                                      first.outer, n):
+                                      first.outer):
                 raise StampMismatch("the first chained call's backward is not its side run's")
 
 
