@@ -103,9 +103,9 @@ class Stamper:
     def _wrap_chain(self, module: torch.nn.Module, original: Callable[..., Any], slots: Any
                     ) -> Callable[..., Any]:
         def forward(*args: Any, **kwargs: Any) -> Any:
-            if self._inside or kwargs:
+            if self._inside:
                 return original(*args, **kwargs)
-            return self.chains.call(module, original, slots, args)
+            return self.chains.call(module, original, slots, args, kwargs)
         return forward
 
     def _call(self, module: torch.nn.Module, original: Callable[..., Any], key: Any,
