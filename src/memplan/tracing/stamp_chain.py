@@ -122,7 +122,30 @@ class ChainStamper:
             # Not yet stamped: this call is the template of those after it.
             chain.params, chain.buffers = params, buffers
             return self._learn(chain, module, original, both, key, outer)  # type: ignore[arg-type]
+        if not chain.stamps and not self._foreseeable(chain, prev):
+            return self._traced(chain, original, both)
         return self._stamp(chain, module, original, flat, spec, outer, params)  # type: ignore[arg-type]
+
+    def _foreseeable(self, chain: Chain, first: _Call) -> bool:
+        """Before the first stamp, what ``end_forward`` would refuse (a fallback: the step
+        captured again) seen early, to leave the chain unstamped: the first call's outputs
+        read by ops outside the chain (``_outputs_private``), or a tensor from outside the
+        call, not a leaf, read by two of its nodes (its gradient the sum of theirs, which the
+        side run does not foresee: ``chain_side._edges``; a residual add, say)."""
+        tracer = self.tracer
+        outs = set(first.outs)
+        if any(not outs.isdisjoint(op.inputs) for op in tracer.ops[first.end:]):
+            return False
+        if tracer._pending:
+            tracer._hook_pending_nodes()
+        assert chain.forward is not None
+        end = first.op0 + len(chain.forward.ops)
+        nodes = {id(node): node for node, index in tracer._node_refs
+                 if first.op0 <= index < end}
+        edges = [(id(nxt), nr) for node in nodes.values() for nxt, nr in node.next_functions
+                 if nxt is not None and id(nxt) not in nodes
+                 and nxt.name() != "torch::autograd::AccumulateGrad"]
+        return len(edges) == len(set(edges))
 
     def _traced(self, chain: Chain, original: Any,
                 both: tuple[tuple[Any, ...], dict[str, Any]]) -> Any:
