@@ -14,7 +14,7 @@ from torch import nn
 
 from memplan.core.graph import Graph
 from memplan.models.lstm import LSTM
-from memplan.tracing import capture, stamp
+from memplan.tracing import capture, stamp, stamp_chain
 from memplan.tracing.capture import capture_target
 from memplan.tracing.step import Target, as_target
 from tests.small import small
@@ -201,6 +201,78 @@ class Collected(Repeated):
         return torch.stack(outs)
 
 
+class CellLoop(nn.Module):
+    """A user's loop over one of torch's RNN cells (a leaf module), the state passed back in
+    by keyword, the loss on the last step's output (stamped); ``per_step``: a head and a loss
+    on every step's output too, read outside the chain (not stamped); ``embed``: each step's
+    input an embedding's output, requiring grad and from outside the chain (not stamped)."""
+
+    def __init__(self, kind: str, per_step: bool = False, embed: bool = False) -> None:
+        super().__init__()
+        self.kind, self.per_step = kind, per_step
+        self.embed = nn.Linear(8, 8) if embed else None
+        self.cell = {"lstm": nn.LSTMCell, "gru": nn.GRUCell, "rnn": nn.RNNCell}[kind](8, 16)
+        self.head = nn.Linear(16, 10)
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        h = torch.zeros(x.shape[1], 16)
+        state: Any = (h, torch.zeros_like(h)) if self.kind == "lstm" else h
+        inputs = self.embed(x) if self.embed is not None else x
+        loss = torch.zeros(())
+        for t in range(x.shape[0]):
+            state = self.cell(inputs[t], hx=state)
+            h = state[0] if self.kind == "lstm" else state
+            if self.per_step:
+                loss = loss + nn.functional.cross_entropy(self.head(h), target[t])
+        return loss + nn.functional.cross_entropy(self.head(h), target[-1])
+
+
+class UniversalTransformer(nn.Module):
+    """One ``nn.TransformerEncoderLayer`` called four times on its own output, with dropout
+    and a causal mask by keyword: its input is read by the attention and the residual add
+    (two nodes), a gradient sum its chain's stamp does not foresee: not stamped."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, 16)
+        self.layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.1, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1])
+        for _ in range(4):
+            h = self.layer(h, src_mask=mask)
+        return h
+
+
+def _cells(kind: str, **kw: bool) -> Callable[[], Target]:
+    def make() -> Target:
+        torch.manual_seed(0)
+        x, target = torch.randn(6, 2, 8), torch.randint(0, 10, (6, 2))
+        return as_target(CellLoop(kind, **kw), (x, target), lambda out: out)
+    return make
+
+
+def _universal() -> Target:
+    torch.manual_seed(0)
+    return as_target(UniversalTransformer(), (torch.randn(2, 5, 8),),
+                     lambda out: out.square().mean())
+
+
+def _albert() -> Target:
+    """HF ALBERT (its one layer group called four times on its own output, by keyword
+    arguments): the group's input is read by three projections and a residual add, and the
+    group sits inside the encoder, a chain module of its own called once: not stamped."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.AlbertConfig(
+        vocab_size=50, embedding_size=8, hidden_size=16, num_hidden_layers=4,
+        num_attention_heads=2, intermediate_size=32, max_position_embeddings=16)
+    ids = torch.randint(0, 50, (2, 6))
+    return as_target(transformers.AlbertForMaskedLM(cfg).train(), (ids,),
+                     lambda out: out.logits.float().mean())
+
+
 def _tied() -> Target:
     torch.manual_seed(0)
     x, target = torch.randn(6, 2, 8), torch.randint(0, 10, (6, 2))
@@ -233,6 +305,15 @@ CASES: dict[str, tuple[Callable[[], Target], int | None]] = {
     "repeated": (_user(Repeated), 3),
     "counted": (_user(Counted), None),
     "collected": (_user(Collected), None),
+    # Models others wrote: torch's RNN cells in a user's loop (the first step traced: its
+    # state needs no grad; the second the template), a Universal Transformer, HF ALBERT.
+    "lstm_cell": (_cells("lstm"), 4),
+    "rnn_cell": (_cells("rnn"), 4),
+    "gru_cell": (_cells("gru"), 0),  # h read twice (the gates, the blend): not foreseen
+    "lstm_cell_per_step": (_cells("lstm", per_step=True), 0),
+    "lstm_cell_embedded": (_cells("lstm", embed=True), 0),  # inputs requiring grad: traced
+    "universal_transformer": (_universal, 0),
+    "albert": (_albert, 0),
 }
 
 
@@ -268,3 +349,14 @@ def test_stamped_capture_equals_the_reference_path(case: str, monkeypatch: Any) 
         assert getattr(fast, f.name) == getattr(slow, f.name), f.name
     assert fast.to_json() == slow.to_json()
     assert stamped == expect_stamped
+
+
+@pytest.mark.parametrize("case", ["gru_cell", "lstm_cell_per_step", "universal_transformer"])
+def test_chains_left_unstamped_early_would_fall_back(case: str, monkeypatch: Any) -> None:
+    """What ``ChainStamper._foreseeable`` refuses before the first stamp, ``end_forward``
+    refuses after the forward: stamped anyway, the capture falls back to the reference path."""
+    monkeypatch.setattr(stamp_chain.ChainStamper, "_foreseeable", lambda *_: True)
+    make, _ = CASES[case]
+    fast, stamped = _stamped_capture(make, monkeypatch)
+    assert stamped is None
+    assert fast.to_json() == capture_target(make(), fast=False).to_json()

@@ -1,6 +1,6 @@
 """Plain PyTorch written the way users write it: a flat nn.Sequential, a loss that closes over
 its targets and class weights, in-place activations on views (InstanceNorm's output too),
-nn.TransformerEncoder with a padding mask, a stacked nn.LSTM, intermediates kept in a list,
+nn.TransformerEncoder with a padding mask, a stacked nn.LSTM, a loop over nn.LSTMCell, intermediates kept in a list,
 a conv net of nested blocks."""
 
 from __future__ import annotations
@@ -127,6 +127,31 @@ def lstm(seed: int) -> Built:
     return LSTMTagger().train(), (x,), lambda out: out.logsumexp(-1).mean()
 
 
+class CellLoop(nn.Module):
+    """A sequence classifier over a user's loop of ``nn.LSTMCell`` steps (the state passed
+    back in as ``hx``), its head on the last step's hidden state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cell = nn.LSTMCell(32, 64)
+        self.head = nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.zeros(x.shape[1], 64)
+        state = (h, torch.zeros_like(h))
+        for t in range(x.shape[0]):
+            state = self.cell(x[t], hx=state)
+        return self.head(state[0])
+
+
+def lstm_cell_loop(seed: int) -> Built:
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(32, 8, 32, generator=g)
+    targets = torch.randint(0, 10, (8,), generator=g)
+    return CellLoop().train(), (x,), lambda out: F.cross_entropy(out, targets)
+
+
 def conv_net(seed: int) -> Built:
     """Nested conv-BN-ReLU blocks, mean loss: the shape memplan handles today."""
     torch.manual_seed(seed)
@@ -149,6 +174,7 @@ ENTRIES = [
     Entry("torch-instancenorm-leakyrelu", LIB, instance_norm_leaky_relu),
     Entry("torch-transformer-encoder", LIB, transformer_encoder),
     Entry("torch-lstm", LIB, lstm),
+    Entry("torch-lstmcell-loop", LIB, lstm_cell_loop),
     Entry("torch-kept-intermediates", LIB, kept_intermediates),
     Entry("torch-conv-net", LIB, conv_net),
 ]

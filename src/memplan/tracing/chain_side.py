@@ -126,7 +126,8 @@ def _forward(main: StepTracer, side: StepTracer, module: torch.nn.Module,
             arg_tensors = [a for a in args if isinstance(a, torch.Tensor)]
             outer = vids(side, [*arg_tensors, *copies.params, *copies.buffers])
             op0, v0 = len(side.ops), len(side.values)
-            out = functional_call(module, state, tuple(tree_unflatten(args, spec)))
+            pos, kw = tree_unflatten(args, spec)  # (positional, keyword): ``stamp_chain.call``
+            out = functional_call(module, state, tuple(pos), kw)
             outs = tree_flatten(out)[0]
             if len(outs) != len(grad_in) or any(not isinstance(t, torch.Tensor) for t in outs):
                 raise Ineligible("the outputs are not the next call's inputs")

@@ -103,9 +103,9 @@ class Stamper:
     def _wrap_chain(self, module: torch.nn.Module, original: Callable[..., Any], slots: Any
                     ) -> Callable[..., Any]:
         def forward(*args: Any, **kwargs: Any) -> Any:
-            if self._inside or kwargs:
+            if self._inside:
                 return original(*args, **kwargs)
-            return self.chains.call(module, original, slots, args)
+            return self.chains.call(module, original, slots, args, kwargs)
         return forward
 
     def _call(self, module: torch.nn.Module, original: Callable[..., Any], key: Any,
@@ -239,13 +239,15 @@ def _units(root: torch.nn.Module) -> list[tuple[torch.nn.Module, int]]:
 
 def _chain_units(root: torch.nn.Module, units: list[torch.nn.Module]) -> list[torch.nn.Module]:
     """Modules that may be called again and again on their own outputs (``stamp_chain``):
-    not leaves nor containers, with parameters, no hooks, no unit inside or around them."""
+    not leaves (but torch's RNN cells, many ops each) nor containers, with parameters, no
+    hooks, no unit inside or around them."""
     names = {id(m): name for name, m in root.named_modules()}
     near: set[str] = set()  # the units' paths and their ancestors'
     for u in units:
         parts = names[id(u)].split(".")
         near.update(".".join(parts[:k]) for k in range(1, len(parts) + 1))
-    return [m for name, m in root.named_modules() if name and m._modules
+    return [m for name, m in root.named_modules()
+            if name and (m._modules or isinstance(m, torch.nn.RNNCellBase))
             and name not in near and not any(".".join(name.split(".")[:k]) in near
                                              for k in range(1, name.count(".") + 1))
             and "forward" not in vars(m) and any(True for _ in m.parameters())

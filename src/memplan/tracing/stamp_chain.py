@@ -93,50 +93,75 @@ class ChainStamper:
     def stamped(self) -> int:
         return sum(len(c.stamps) for c in self.chains.values())
 
-    def call(self, module: torch.nn.Module, original: Any, slots: Any, args: tuple[Any, ...]
-             ) -> Any:
+    def call(self, module: torch.nn.Module, original: Any, slots: Any, args: tuple[Any, ...],
+             kwargs: dict[str, Any]) -> Any:
         chain = self.chains.setdefault(id(module), Chain())
         self.modules[id(module)] = (module, slots)
+        both = (args, kwargs)  # keyword arguments are arguments too (HF's ``**kwargs``)
         if chain.broken or not torch.is_grad_enabled():
-            return self._traced(chain, original, args)
-        flat, spec = tree_flatten(args)
+            return self._traced(chain, original, both)
+        flat, spec = tree_flatten(both)
         tensors = [a for a in flat if isinstance(a, torch.Tensor)]
         if not any(t.requires_grad for t in tensors):
             chain.last = None
-            return original(*args)
+            return original(*args, **kwargs)
         params = [sub._parameters[n] for sub, n in slots[0]]
         buffers = [sub._buffers[n] for sub, n in slots[1]]
         key = _key(flat, spec, params)
         if key is None or any(p.grad is not None for p in params):
-            return self._traced(chain, original, args)
+            return self._traced(chain, original, both)
         tracer = self.tracer
         outer = [tracer._lookup(t) for t in (*tensors, *params, *buffers)]
         if any(v is None for v in outer):
-            return self._traced(chain, original, args)
+            return self._traced(chain, original, both)
         ins = [v for v, t in zip(outer, tensors) if t.requires_grad]
         prev = chain.last
         if key != chain.key or chain.forward is None or prev is None or ins != prev.outs:
             if chain.stamps:
-                return self._traced(chain, original, args)
+                return self._traced(chain, original, both)
             # Not yet stamped: this call is the template of those after it.
             chain.params, chain.buffers = params, buffers
-            return self._learn(chain, module, original, args, key, outer)  # type: ignore[arg-type]
+            return self._learn(chain, module, original, both, key, outer)  # type: ignore[arg-type]
+        if not chain.stamps and not self._foreseeable(chain, prev):
+            return self._traced(chain, original, both)
         return self._stamp(chain, module, original, flat, spec, outer, params)  # type: ignore[arg-type]
 
-    def _traced(self, chain: Chain, original: Any, args: tuple[Any, ...]) -> Any:
+    def _foreseeable(self, chain: Chain, first: _Call) -> bool:
+        """Before the first stamp, what ``end_forward`` would refuse (a fallback: the step
+        captured again) seen early, to leave the chain unstamped: the first call's outputs
+        read by ops outside the chain (``_outputs_private``), or a tensor from outside the
+        call, not a leaf, read by two of its nodes (its gradient the sum of theirs, which the
+        side run does not foresee: ``chain_side._edges``; a residual add, say)."""
+        tracer = self.tracer
+        outs = set(first.outs)
+        if any(not outs.isdisjoint(op.inputs) for op in tracer.ops[first.end:]):
+            return False
+        if tracer._pending:
+            tracer._hook_pending_nodes()
+        assert chain.forward is not None
+        end = first.op0 + len(chain.forward.ops)
+        nodes = {id(node): node for node, index in tracer._node_refs
+                 if first.op0 <= index < end}
+        edges = [(id(nxt), nr) for node in nodes.values() for nxt, nr in node.next_functions
+                 if nxt is not None and id(nxt) not in nodes
+                 and nxt.name() != "torch::autograd::AccumulateGrad"]
+        return len(edges) == len(set(edges))
+
+    def _traced(self, chain: Chain, original: Any,
+                both: tuple[tuple[Any, ...], dict[str, Any]]) -> Any:
         """A call the chain did not foresee: traced; no stamp from here on."""
         if chain.stamps:
             raise StampMismatch("a chained module called otherwise after a stamp")
         chain.broken = True
-        return original(*args)
+        return original(*both[0], **both[1])
 
     def _learn(self, chain: Chain, module: torch.nn.Module, original: Any,
-               args: tuple[Any, ...], key: Any, outer: list[int]) -> Any:
+               both: tuple[tuple[Any, ...], dict[str, Any]], key: Any, outer: list[int]) -> Any:
         tracer = self.tracer
         op0, v0, c0 = len(tracer.ops), len(tracer.values), len(tracer.module_calls)
         frees, deaths = tracer.frees, len(tracer.user_deaths)
         with self.inside():
-            out = original(*args)
+            out = original(*both[0], **both[1])
         chain.key = key
         flat_out, out_spec = tree_flatten(out)
         if tracer.frees - frees != len(tracer.user_deaths) - deaths \
@@ -153,7 +178,7 @@ class ChainStamper:
             return out
         chain.forward = forward
         chain.targets = [op[0] for op in forward.ops]
-        flat, spec = tree_flatten(args)
+        flat, spec = tree_flatten(both)
         # Specs only: holding the tensors would keep them alive.
         chain.args = [chain_side.ArgSpec(tuple(a.shape), a.stride(), a.dtype, a.device,
                                          a.requires_grad) if isinstance(a, torch.Tensor) else a
@@ -274,8 +299,9 @@ class ChainUnit(torch.autograd.Function):
         ran: list[str] = []
         tracer.paused_ops = ran
         try:
+            pos, kw = tree_unflatten(flat, spec)
             with tracer.paused(), chains.inside():
-                out = original(*tree_unflatten(flat, spec))
+                out = original(*pos, **kw)
         finally:
             tracer.paused_ops = None
         flat_out, out_spec = tree_flatten(out)
