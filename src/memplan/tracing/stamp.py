@@ -240,18 +240,23 @@ def _units(root: torch.nn.Module) -> list[tuple[torch.nn.Module, int]]:
 def _chain_units(root: torch.nn.Module, units: list[torch.nn.Module]) -> list[torch.nn.Module]:
     """Modules that may be called again and again on their own outputs (``stamp_chain``):
     not leaves (but torch's RNN cells, many ops each) nor containers, with parameters, no
-    hooks, no unit inside or around them."""
+    hooks, and neither they nor an ancestor of theirs (below the root) a unit or a unit's
+    ancestor: the two stamps never share a top-level subtree."""
     names = {id(m): name for name, m in root.named_modules()}
     near: set[str] = set()  # the units' paths and their ancestors'
     for u in units:
-        parts = names[id(u)].split(".")
-        near.update(".".join(parts[:k]) for k in range(1, len(parts) + 1))
+        near.update(_paths(names[id(u)]))
     return [m for name, m in root.named_modules()
             if name and (m._modules or isinstance(m, torch.nn.RNNCellBase))
-            and name not in near and not any(".".join(name.split(".")[:k]) in near
-                                             for k in range(1, name.count(".") + 1))
+            and near.isdisjoint(_paths(name))
             and "forward" not in vars(m) and any(True for _ in m.parameters())
             and not _hooked(m) and type(m) not in (torch.nn.ModuleList, torch.nn.ModuleDict)]
+
+
+def _paths(name: str) -> list[str]:
+    """A module's dotted path and its ancestors' below the root: "a.b" -> ["a", "a.b"]."""
+    parts = name.split(".")
+    return [".".join(parts[:k]) for k in range(1, len(parts) + 1)]
 
 
 def _slots(module: torch.nn.Module) -> tuple[list[tuple[torch.nn.Module, str]], ...]:

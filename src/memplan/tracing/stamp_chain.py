@@ -54,6 +54,7 @@ class _Call:
 class Chain:
     """A module's chained calls so far."""
 
+    module: torch.nn.Module
     key: Any = None
     forward: Forward | None = None
     first: _Call | None = None
@@ -78,7 +79,6 @@ class ChainStamper:
         self.stamper = stamper
         self.tracer: StepTracer = stamper.tracer
         self.chains: dict[int, Chain] = {}
-        self.modules: dict[int, tuple[torch.nn.Module, Any]] = {}
 
     @contextmanager
     def inside(self) -> Iterator[None]:
@@ -95,8 +95,9 @@ class ChainStamper:
 
     def call(self, module: torch.nn.Module, original: Any, slots: Any, args: tuple[Any, ...],
              kwargs: dict[str, Any]) -> Any:
-        chain = self.chains.setdefault(id(module), Chain())
-        self.modules[id(module)] = (module, slots)
+        chain = self.chains.get(id(module))
+        if chain is None:
+            chain = self.chains[id(module)] = Chain(module)
         both = (args, kwargs)  # keyword arguments are arguments too (HF's ``**kwargs``)
         if chain.broken or not torch.is_grad_enabled():
             return self._traced(chain, original, both)
@@ -229,10 +230,8 @@ class ChainStamper:
             assert chain.forward is not None and chain.first is not None and chain.last
             read_after = {v for op in tracer.ops[chain.last.end:] for v in op.inputs}
             used = [j for j, v in enumerate(chain.last.outs) if v in read_after]
-            module = next(m for m, _ in self.modules.values()
-                          if self.chains.get(id(m)) is chain)
             try:
-                chain.template = chain_side.side_run(tracer, module, chain.forward, chain.args,
+                chain.template = chain_side.side_run(tracer, chain.module, chain.forward, chain.args,
                                                      chain.spec, chain.params, chain.buffers,
                                                      used)
             except Ineligible as err:
