@@ -224,6 +224,32 @@ def test_long_uniform_chain_nests_and_stays_exact(extra: int) -> None:
         assert O.nesting(sch) >= 2
 
 
+@pytest.mark.parametrize("extra", [0, 1, 2, 5])
+def test_a_probing_search_returns_the_unpruned_schedule(extra: int,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Near the least peak the bound ignores the nesting, the caps miss twice and the search
+    probes (the top level's slack PROBE_TOP times the bodies'): the program it returns still
+    holds the full program's optimum and schedule."""
+    c = uniform_chain(60)
+    shape = O._Shape.of(O.stage_table(c), True)
+    free = O.least_need(shape) + extra
+    probes: list[int] = []
+    caps = O._cost_caps
+
+    def spy(*args: object) -> object:
+        if len(args) > 3 and args[3] is not None:
+            probes.append(int(args[3]))  # type: ignore[call-overload]
+        return caps(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(O, "_cost_caps", spy)
+    found = O.search(shape, free)
+    full = shape.fill(free, None)
+    assert probes, "the search never probed: this case no longer covers it"
+    assert found is not None
+    assert found.point(0, c.n - 1, 0, free) == full.point(0, c.n - 1, 0, free)
+    assert found.schedule(0, c.n - 1, 0, free) == full.schedule(0, c.n - 1, 0, free)
+
+
 @pytest.mark.parametrize("extra", [3, 40, 400])
 def test_chain_longer_than_the_coarse_one_stays_exact(extra: int) -> None:
     """150 stages: the search starts from the 100-group plan's cost (optimal.upper_cost) and

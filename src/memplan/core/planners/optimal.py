@@ -40,6 +40,7 @@ INF = float("inf")
 SLACK_START = 32  # the first search allows 1/32 of a forward pass above the lower bound
 COARSE_STAGES = 100  # the plan whose cost starts the exact search (``upper_cost``)
 LEAST_PEAK_TOLERANCE = 1024  # without a budget: the least peak to 1/1024 of the plain one
+PROBE_TOP = 32  # a probe's top-level slack, in multiples of its bodies' (``search``)
 MAX_NESTING = 100  # deeper plans recompute stages 100+ times; chain._run etc. recurse per level
 
 
@@ -140,40 +141,55 @@ class _Program:
         return tuple(items)
 
 
-def _cost_caps(shape: _Shape, bounds: tuple[float, F64], slack: int) -> tuple[I64, int]:
+def _cost_caps(shape: _Shape, bounds: tuple[float, F64], slack: int,
+               top_slack: int | None = None) -> tuple[I64, int]:
     """Cost caps that keep every plan whose recomputation is within ``slack`` of the lower
     bound (``bounds``: ``recompute_bounds``): the suffix from s pays at most the rest of that
     after the prefix's own least recomputation; a region's body at most the slack beyond one
-    replay."""
+    replay. ``top_slack``: the suffixes' slack instead (a probe's, larger)."""
     cost = shape.st[F.COST]
     lb_total, lb_prefix = bounds
     margin = 1 + int(1e-9 * float(cost.sum()))  # the bounds are floats
     suffix = np.cumsum(cost[::-1])[::-1]
-    top = suffix + np.floor(lb_total - lb_prefix).astype(np.int64) + slack + margin
+    top_slack = slack if top_slack is None else top_slack
+    top = suffix + np.floor(lb_total - lb_prefix).astype(np.int64) + top_slack + margin
     return np.minimum(top, F.BIG // 4), min(slack + margin, F.BIG // 4)
 
 
 def search(shape: _Shape, free: int, upper: int | None = None) -> _Program | None:
     """The program at ``free`` bytes whose root point is the optimum; None: nothing fits.
-    Costs are capped at the lower bound plus a slack; if that cuts every plan, the slack
-    doubles (the caps never cut a plan within them, so the first plan found is optimal).
+    Costs are capped at the lower bound plus a slack (the caps never cut a plan within
+    them, so the first plan found within them is optimal); when they cut every plan the
+    slack doubles. From the second miss on, the bound is far below the optimum (it ignores
+    nesting, and a fill's cost grows with its slack), so each fill is a probe: the bodies'
+    slack as before, the top level's ``PROBE_TOP`` times larger. A plan a probe finds is
+    optimal if it lies within the slack (every plan that does is in the probe), else its
+    cost is the slack of one last fill, which keeps it and so finds the optimum.
     ``upper``: the cost of a plan thought to fit; the first slack is at most what keeps it
-    (smaller caps, a faster fill; if it does not fit after all, the slack doubles on)."""
+    (smaller caps, a faster fill; if it does not fit after all, the search goes on)."""
     k = shape.st.shape[1]
-    total = int(shape.st[F.COST].sum()) + int(shape.st[F.CHEAP].sum())
+    forward = int(shape.st[F.COST].sum())
+    total = forward + int(shape.st[F.CHEAP].sum())
     bounds = recompute_bounds(shape.st, free, shape.allow_dc)
-    slack = max(1, int(shape.st[F.COST].sum()) // SLACK_START)
+    slack = max(1, forward // SLACK_START)
     if upper is not None:
-        slack = min(slack, max(1, upper - int(shape.st[F.COST].sum()) - int(bounds[0]) + 1))
-    checked = False
+        slack = min(slack, max(1, upper - forward - int(bounds[0]) + 1))
+    checked = probing = False
     while True:
         unbounded = slack > (k + 1) * max(total, 1)
-        prog = shape.fill(free, None if unbounded else _cost_caps(shape, bounds, slack))
-        if prog.point(0, k - 1, 0, free) is not None:
-            return prog
+        top_slack = PROBE_TOP * slack if probing and not unbounded else None
+        prog = shape.fill(free, None if unbounded else _cost_caps(shape, bounds, slack,
+                                                                 top_slack))
+        hit = prog.point(0, k - 1, 0, free)
+        if hit is not None:
+            over = hit[0] - forward - int(bounds[0])  # its recomputation above the bound
+            if top_slack is None or over <= slack:
+                return prog
+            slack, probing = over, False
+            continue
         if unbounded or (not checked and least_need(shape) > free):
             return None
-        checked = True
+        probing, checked = checked, True
         slack *= 2
 
 
