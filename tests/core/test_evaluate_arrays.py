@@ -60,10 +60,15 @@ def test_evaluations_equal_the_walks(name: str, kind: str) -> None:
 
 @pytest.mark.parametrize("name", NAMES)
 def test_cold_and_warm_evaluations_agree(name: str) -> None:
+    """Whether the evaluator's arrays come from the Graph's objects, share the chain's
+    (``graph_arrays``), or are cached, the evaluation is the same."""
     graph = tiny(name)
     plan = scheduled(graph, "pairs")
     GA._ARRAYS.clear()  # nothing derived from the graph yet
     cold = evaluate(graph, plan)
+    GA._ARRAYS.clear()
+    GA.graph_arrays(graph)  # the chain's arrays first
+    assert evaluate(graph, plan) == cold
     assert evaluate(graph, plan) == cold
     other = tiny("gpt" if name != "gpt" else "lstm")  # another graph's arrays in the cache
     evaluate(other, scheduled(other, "pairs"))

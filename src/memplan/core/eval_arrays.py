@@ -13,7 +13,7 @@ import numpy as np
 import numpy.typing as npt
 
 from memplan.core import graph as g
-from memplan.core.graph_arrays import NO_DEATH, derived, flat, ints
+from memplan.core.graph_arrays import NO_DEATH, GraphArrays, derived, flat, ints, known
 from memplan.core.ops import is_expensive
 
 I64 = npt.NDArray[np.int64]
@@ -86,16 +86,15 @@ def _extract(graph: g.Graph) -> EvalArrays:
     n_ops, n_values = len(ops), len(values)
     n_events = n_ops + len(graph.backward_ops)
     kind = np.fromiter(map(KIND.__getitem__, map(attrgetter("kind"), values)), np.int8, n_values)
-    birth = ints(values, "birth")
-    death = _optional(values, "death")
+    nbytes, birth, death, producer, expensive, out_op, out_vid = _shared(graph)
     targets = list(map(attrgetter("target"), ops))
-    flags = {t: (is_expensive(t), "batch_norm" in t) for t in dict.fromkeys(targets)}
+    bn_target = {t: "batch_norm" in t for t in dict.fromkeys(targets)}
     in_op, in_vid = flat(ops, "inputs")
     m_op, m_vid = flat(ops, "mutated")
     mutated = np.isin(in_op * n_values + in_vid, m_op * n_values + m_vid)
     # What an op writes as the runtime sees it: what it mutates, and the buffers batch norm
     # reads (its running statistics, written without saying so in its schema).
-    bn = np.fromiter((flags[t][1] for t in targets), np.bool_, n_ops)
+    bn = np.fromiter(map(bn_target.__getitem__, targets), np.bool_, n_ops)
     bn_buffer = bn[in_op] & (kind[in_vid] == KIND[g.BUFFER]) & ~mutated
     w_op = np.concatenate([m_op, in_op[bn_buffer]])
     w_vid = np.concatenate([m_vid, in_vid[bn_buffer]])
@@ -105,22 +104,34 @@ def _extract(graph: g.Graph) -> EvalArrays:
                                   last_write)
     release = ints(ops, "release_event")
     s_op, s_vid = flat(ops, "saved")
-    out_op, out_vid = flat(ops, "outputs")
     return EvalArrays(
         n_ops=n_ops, n_events=n_events,
         n_model=graph.forward.ops if graph.forward is not None else n_ops,
-        kind=kind, nbytes=ints(values, "nbytes"), birth=birth, death=death,
+        kind=kind, nbytes=nbytes, birth=birth, death=death,
         death_unsaved=np.minimum(death, _optional(values, "death_unsaved")),
-        producer=ints(values, "producer"),
-        first_seen=_first_seen(graph, kind, birth, in_op, in_vid),
+        producer=producer, first_seen=_first_seen(graph, kind, birth, in_op, in_vid),
         last_write=last_write, release=np.where(release >= 0, release, n_events - 1),
-        unpack=ints(ops, "unpack_event"),
-        expensive=np.fromiter((flags[t][0] for t in targets), np.bool_, n_ops),
+        unpack=ints(ops, "unpack_event"), expensive=expensive,
         inputs=csr(in_op, in_vid, n_ops), input_op=in_op, tape_use=tape_use,
         stale=csr(in_op[stale], in_vid[stale], n_ops), outputs=csr(out_op, out_vid, n_ops),
         makers=csr(out_vid, out_op, n_values),
         written=csr(w_op, w_vid, n_ops), writers=csr(m_vid, m_op, n_values),
         saved_op=s_op, saved_vid=s_vid, savers=csr(s_vid, s_op, n_values))
+
+
+def _shared(graph: g.Graph) -> tuple[I64, I64, I64, I64, Mask, I64, I64]:
+    """(nbytes, birth, death, producer per value; expensive per op; (op, value) pairs of the
+    ops' outputs): ``graph_arrays``' own when the chain has read them already."""
+    ga: GraphArrays | None = known(graph, "graph")
+    if ga is not None:
+        return ga.nbytes, ga.birth, ga.death, ga.producer, ga.expensive, ga.out_op, ga.out_vid
+    values, ops = graph.values, graph.ops
+    targets = list(map(attrgetter("target"), ops))
+    expensive = {t: is_expensive(t) for t in dict.fromkeys(targets)}
+    out_op, out_vid = flat(ops, "outputs")
+    return (ints(values, "nbytes"), ints(values, "birth"), _optional(values, "death"),
+            ints(values, "producer"),
+            np.fromiter(map(expensive.__getitem__, targets), np.bool_, len(ops)), out_op, out_vid)
 
 
 def _first_seen(graph: g.Graph, kind: npt.NDArray[np.int8], birth: I64, in_op: I64,

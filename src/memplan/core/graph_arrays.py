@@ -79,6 +79,12 @@ def derived(graph: g.Graph, name: str, build: Callable[[g.Graph], T]) -> T:
     return made
 
 
+def known(graph: g.Graph, name: str) -> Any:
+    """What ``derived`` holds under ``name`` for ``graph``, None if nothing yet."""
+    hit = _ARRAYS.get((id(graph), name))
+    return hit[1] if hit is not None and hit[0]() is graph else None
+
+
 def graph_arrays(graph: g.Graph) -> GraphArrays:
     """The arrays of ``graph``, cached while the Graph object lives (Graphs are immutable)."""
     return derived(graph, "graph", _extract)
