@@ -26,7 +26,9 @@ The runtime (``memplan.runtime.replay``), as modelled here:
 
 This module adds up the step's values; ``scopes`` (what the plan makes of the forward),
 ``timeline`` (the moments, replays included) and ``replay_intervals`` (what replays make)
-hold the rest.
+hold the rest. All of it is array arithmetic over ``eval_arrays`` (what the Graph holds,
+derived once per Graph): the walk over every op of a long graph is what a user of
+``memplan.plan`` would otherwise wait for, several times per plan (``fit``).
 """
 
 from __future__ import annotations
