@@ -42,7 +42,7 @@ class Timeline:
         # Within an event, scopes run one after another from the moment after it.
         first = np.searchsorted(events, events)  # the first scope triggered by the same event
         self.base[self.order] = (self.moment_of_event[events] + 1 + before - before[first])
-        self.scope = ps
+        self.ps = ps  # (for ``where``)
 
     def replay_end(self, scope: int) -> int:
         """The moment ``scope``'s replay ends (its last op; the one before it if empty)."""
@@ -73,7 +73,7 @@ class Timeline:
         ran = [s for s in self.order if self.length[s]]  # (an empty replay has no moment)
         s = ran[int(np.searchsorted(self.base[ran], moment, side="right")) - 1]
         i, pre = divmod(moment - int(self.base[s]), 2)
-        sc = self.scope.scopes[s]
-        op = int(self.scope.replayed(s)[i])
+        sc = self.ps.scopes[s]
+        op = int(self.ps.replayed(s)[i])
         return (f"replay of ops {sc.lo_op}..{sc.hi_op}, " +
                 (f"op {op}" if pre else f"before op {op}"))
