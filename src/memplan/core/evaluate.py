@@ -26,7 +26,9 @@ The runtime (``memplan.runtime.replay``), as modelled here:
 
 This module adds up the step's values; ``scopes`` (what the plan makes of the forward),
 ``timeline`` (the moments, replays included) and ``replay_intervals`` (what replays make)
-hold the rest.
+hold the rest. All of it is array arithmetic over ``eval_arrays`` (what the Graph holds,
+derived once per Graph): the walk over every op of a long graph is what a user of
+``memplan.plan`` would otherwise wait for, several times per plan (``fit``).
 """
 
 from __future__ import annotations
@@ -34,12 +36,19 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
+import numpy as np
+import numpy.typing as npt
+
 from memplan.core import graph as g
+from memplan.core.eval_arrays import KIND
+from memplan.core.graph_arrays import NO_DEATH
 from memplan.core.plan import Plan
 from memplan.core.replay_intervals import replay_intervals
 from memplan.core.scopes import PlanScopes
-from memplan.core.timeline import NEVER, Interval, Timeline
+from memplan.core.timeline import NEVER, Intervals, Timeline
 from memplan.errors import PlanMismatch
+
+I64 = npt.NDArray[np.int64]
 
 
 @dataclass(frozen=True)
@@ -54,113 +63,107 @@ class Evaluation:
 def evaluate(graph: g.Graph, plan: Plan) -> Evaluation:
     """The peak bytes of ``graph``'s step run under ``plan`` by the runtime (see the module
     docstring), exact to the byte where the runtime behaves as modelled."""
+    return evaluate_scopes(plan_scopes(graph, plan))
+
+
+def plan_scopes(graph: g.Graph, plan: Plan) -> PlanScopes:
+    """What ``plan`` makes of ``graph``'s forward: what ``evaluate_scopes`` and
+    ``idle_of`` read (make it once for both)."""
     if plan.graph_fingerprint != graph.fingerprint:
         raise PlanMismatch(f"the plan was made for graph {plan.graph_fingerprint}, not for "
                            f"{graph.fingerprint}: evaluate it on the graph it was made from.")
-    return _peak(PlanScopes(graph, plan))
+    return PlanScopes(graph, plan)
 
 
 def idle_scopes(graph: g.Graph, plan: Plan) -> list[tuple[int, int]]:
     """Stage ranges (first, last) of the plan's recompute scopes that autograd would give no
     handle to (nothing they make is saved inside their top scope, nor in a nested one): the
     runtime never replays them, and keeping their stages plainly holds no more."""
-    ps = PlanScopes(graph, plan)
-    ps.classify_saves()
+    return idle_of(PlanScopes(graph, plan), plan)
+
+
+def idle_of(ps: PlanScopes, plan: Plan) -> list[tuple[int, int]]:
+    """``idle_scopes`` of the plan ``ps`` was made from."""
     first_stage = {st.first_op: st.index for st in plan.stages}
     last_stage = {st.last_op: st.index for st in plan.stages}
     return [(first_stage[sc.lo_op], last_stage[sc.hi_op]) for sc in ps.scopes
-            if not any(s.handles for s in sc.subtree())]
+            if not ps.kept[sc.index]]
 
 
 def replay_counts(graph: g.Graph, plan: Plan) -> dict[int, int]:
     """How many times the runtime's replays run each forward op (absent: never) in one step
     under ``plan``: the recomputation the plan costs, early stops included."""
     ps = PlanScopes(graph, plan)
-    ps.classify_saves()
     out: dict[int, int] = defaultdict(int)
     for sc in ps.replayed_scopes():
         for o in ps.replayed(sc):
-            out[o] += 1
+            out[int(o)] += 1
     return dict(out)
 
 
-def _peak(ps: PlanScopes) -> Evaluation:
+def evaluate_scopes(ps: PlanScopes) -> Evaluation:
     """The sweep: every original value's lifetime, the tapes' copies, the replays' storages."""
-    native = ps.classify_saves()
-    trigger: dict[int, int] = {}  # scope -> the event whose first unpack replays it
-    for sc in ps.scopes:
-        unpacks = [ps.g.ops[o].unpack_event for s in sc.subtree() for _, o in s.handles
-                   if ps.g.ops[o].unpack_event >= 0]
-        if unpacks:
-            trigger[sc.index] = min(unpacks)
-    tape_death = {}  # top scope -> the event its tape dies at (its last handle's release)
-    for sc in ps.scopes:
-        if sc.parent is None:
-            rel = [ps.release(o) for s in sc.subtree() for _, o in s.handles]
-            tape_death[sc.index] = max(rel) if rel else ps.n_model - 1
-    timeline = Timeline(ps.n_events, trigger, ps.scopes, ps.replayed)
-    intervals = _originals(ps, timeline, native, trigger, tape_death)
-    for sc in ps.replayed_scopes():
-        intervals += replay_intervals(ps, sc, timeline)
+    timeline = Timeline(ps)
+    parts = [_originals(ps, timeline), _tape_copies(ps, timeline), replay_intervals(ps, timeline)]
+    intervals = (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]),
+                 np.concatenate([p[2] for p in parts]))
     peak, forward_peak, at = timeline.sweep(intervals, ps.g)
     return Evaluation(peak, forward_peak, timeline.where(at, ps.g))
 
 
-def _originals(ps: PlanScopes, timeline: Timeline, native: dict[int, int],
-               trigger: dict[int, int], tape_death: dict[int, int]) -> list[Interval]:
+def _originals(ps: PlanScopes, timeline: Timeline) -> Intervals:
     """The values of the step as it runs (not replays), held by the user's code, autograd's
-    saves or a tape; and the copies the tapes make of written outside tensors."""
-    tape_kept, record_copies = ps.tape_reads()
+    saves or a tape."""
+    a = ps.a
     m = timeline.moment_of_event
-    intervals: list[Interval] = []  # (birth moment, death moment, bytes)
-
-    def at(event: int | None) -> int:
-        return NEVER if event is None else m[event]
-
-    first_read = _first_reads(ps.g)
-    for v in ps.g.values:
-        birth = m[v.birth] if v.birth >= 0 else 0
-        if v.kind == g.EXTERNAL and v.birth < 0:
-            if v.id not in first_read:
-                continue  # a scalar autograd wrapped: no op reads it, nothing tracks it
-            birth = m[first_read[v.id]]  # a tensor from outside the step: seen from then
-        if v.kind != g.ACTIVATION or v.producer < 0:  # a tape may keep it longer
-            end = max([at(v.death)] + [m[tape_death[root.index]]
-                                       for root, _ in tape_kept.get(v.id, ())])
-            intervals.append((birth, end, v.nbytes))
-            continue
-        death = _earlier(v.death_unsaved, v.death)
-        end = at(death)
-        if v.id in native:
-            end = max(end, m[native[v.id]])
-        for root, _ in tape_kept.get(v.id, ()):
-            end = max(end, m[tape_death[root.index]])
-        held_by = ps.root_of_value(v.id) if ps.held(v.id) else None
-        if held_by is not None:
-            end = max(end, timeline.replay_end(held_by.index) if held_by.index in trigger
-                      else m[tape_death[held_by.index]])
-        intervals.append((birth, end, v.nbytes))
-    for o, root, vid in record_copies:
-        # One copy, held by every tape that read the value before the write.
-        readers = [r for r, first in tape_kept.get(vid, ()) if first < o]
-        intervals.append((m[o], max(m[tape_death[r.index]] for r in [root, *readers]),
-                          ps.g.values[vid].nbytes))
-    return intervals
+    tape_end = m[ps.tape_death]  # per scope (read for top scopes only)
+    (kept_vid, kept_root, _), _copies = ps.tape_reads()
+    kept_end = np.full(len(a.kind), -1, dtype=np.int64)  # the last tape keeping the value
+    np.maximum.at(kept_end, kept_vid, tape_end[kept_root])
+    birth = np.where(a.birth >= 0, m[a.birth], 0)
+    # A tensor from outside the step counts from the first op that reads it (memplan's
+    # tracker sees it then); a scalar autograd wrapped that no op reads, never.
+    outside = (a.kind == KIND[g.EXTERNAL]) & (a.birth < 0)
+    birth = np.where(outside, m[a.first_seen], birth)
+    seen = ~outside | (a.first_seen >= 0)
+    plain = (a.kind != KIND[g.ACTIVATION]) | (a.producer < 0)  # a tape may keep it longer
+    # An activation dies when the user's code lets it go, or later when autograd's saves of it
+    # are released, a tape keeps it, or a drop-cheap tape holds it until its scope replays.
+    end = _moment(m, np.where(plain, a.death, a.death_unsaved))
+    native = np.where(plain, -1, ps.native)
+    end = np.where(native >= 0, np.maximum(end, m[native]), end)
+    end = np.maximum(end, kept_end)
+    held = np.flatnonzero(ps.held & ~plain)
+    root = ps.root_of_value[held]
+    held_end = np.where(timeline.triggered[root], timeline.replay_ends()[root], tape_end[root])
+    end[held] = np.maximum(end[held], held_end)
+    return birth[seen], end[seen], a.nbytes[seen]
 
 
-def _first_reads(graph: g.Graph) -> dict[int, int]:
-    """The first event reading each value."""
-    out: dict[int, int] = {}
-    for e, op in enumerate(graph.ops + graph.backward_ops):
-        for vid in op.inputs:
-            out.setdefault(vid, e)
-    return out
+def _tape_copies(ps: PlanScopes, timeline: Timeline) -> Intervals:
+    """The copies the tapes make of written outside tensors: one per write, held by the tape
+    of the writing op and by every tape that read the value before the write."""
+    m = timeline.moment_of_event
+    tape_end = m[ps.tape_death]
+    (kept_vid, kept_root, kept_op), (op, root, vid) = ps.tape_reads()
+    readers: dict[int, list[tuple[int, int]]] = defaultdict(list)  # value -> (root, first op)
+    copied = np.isin(kept_vid, vid)
+    first: dict[tuple[int, int], int] = {}
+    for v, r, o in zip(kept_vid[copied].tolist(), kept_root[copied].tolist(),
+                       kept_op[copied].tolist(), strict=True):
+        first[v, r] = min(first.get((v, r), o), o)
+    for (v, r), o in first.items():
+        readers[v].append((r, o))
+    ends = [max([int(tape_end[r])] + [int(tape_end[q]) for q, f in readers[v] if f < o])
+            for o, r, v in zip(op.tolist(), root.tolist(), vid.tolist(), strict=True)]
+    return m[op], np.array(ends, dtype=np.int64), ps.a.nbytes[vid]
 
 
-def _earlier(a: int | None, b: int | None) -> int | None:
-    if a is None:
-        return b
-    return a if b is None else min(a, b)
+def _moment(m: I64, event: I64) -> I64:
+    """The moment of each event, NEVER for NO_DEATH (alive after the step)."""
+    never = event == NO_DEATH
+    return np.where(never, NEVER, m[np.where(never, 0, event)])
 
 
-__all__ = ["Evaluation", "evaluate", "idle_scopes", "replay_counts"]
+__all__ = ["Evaluation", "evaluate", "evaluate_scopes", "idle_of", "idle_scopes",
+           "plan_scopes", "replay_counts"]

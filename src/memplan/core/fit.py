@@ -19,7 +19,7 @@ from memplan.core import chain as C
 from memplan.core import graph as g
 from memplan.core import schedule as S
 from memplan.core.budget import budget_too_small, format_bytes
-from memplan.core.evaluate import evaluate, idle_scopes
+from memplan.core.evaluate import evaluate, evaluate_scopes, idle_of, idle_scopes, plan_scopes
 from memplan.core.floor import peak_floor
 from memplan.core.plan import Plan, make_plan
 from memplan.core.planners import PLANNERS
@@ -165,10 +165,12 @@ def _cost(p: Plan) -> float:
     return float(p.extra_flops if p.predicted_time_s is None else p.predicted_time_s)
 
 
-def _pruned(graph: g.Graph, plan: Plan) -> Plan:
+def _pruned(graph: g.Graph, plan: Plan, idle_ranges: list[tuple[int, int]] | None = None
+            ) -> Plan:
     """The plan with the recompute scopes the runtime would never replay kept plainly
-    (``evaluate.idle_scopes``): its mirror counts and extra FLOPs then say what runs."""
-    idle = set(idle_scopes(graph, plan))
+    (``evaluate.idle_scopes``, or ``idle_ranges`` when known): its mirror counts and extra
+    FLOPs then say what runs."""
+    idle = set(idle_scopes(graph, plan) if idle_ranges is None else idle_ranges)
     if not idle or plan.predicted_time_s is not None:  # (a measured-time plan stays whole)
         return plan
 
@@ -195,8 +197,11 @@ def _pruned(graph: g.Graph, plan: Plan) -> Plan:
 def _evaluated(graph: g.Graph, plan: Plan) -> Plan:
     """The plan without idle scopes, its evaluated peak as ``peak_bytes`` (the chain model's
     in a note)."""
-    plan = _pruned(graph, plan)
-    ev = evaluate(graph, plan)
+    scopes = plan_scopes(graph, plan)
+    pruned = _pruned(graph, plan, idle_of(scopes, plan))
+    # The scopes found for the idle ones are the pruned plan's when it kept them all.
+    ev = evaluate_scopes(scopes) if pruned is plan else evaluate(graph, pruned)
+    plan = pruned
     notes = plan.notes
     if ev.peak_bytes != plan.peak_bytes:
         note = (f"peak {ev.peak_bytes:,} B as the runtime runs it (the chain model "

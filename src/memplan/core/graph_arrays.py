@@ -4,10 +4,10 @@ and ``floor`` read instead of the Python objects (values, ops, cut points)."""
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from operator import attrgetter
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -60,19 +60,34 @@ class GraphArrays:
 
 
 NO_DEATH = np.iinfo(np.int64).max
-_ARRAYS: dict[int, tuple[weakref.ref[g.Graph], GraphArrays]] = {}
+# (id of the Graph, what was derived) -> (the Graph, weakly; the derived arrays). Clearing it
+# drops everything derived from every Graph (benchmarks do, to time cold runs).
+_ARRAYS: dict[tuple[int, str], tuple[weakref.ref[g.Graph], Any]] = {}
+T = TypeVar("T")
 
+
+def derived(graph: g.Graph, name: str, build: Callable[[g.Graph], T]) -> T:
+    """``build(graph)``, cached under ``name`` while the Graph object lives (Graphs are
+    immutable): what several callers derive from one Graph is derived once."""
+    key = (id(graph), name)
+    hit = _ARRAYS.get(key)
+    if hit is not None and hit[0]() is graph:
+        out: T = hit[1]
+        return out
+    made = build(graph)
+    _ARRAYS[key] = (weakref.ref(graph, lambda _r: _ARRAYS.pop(key, None)), made)
+    return made
+
+
+def known(graph: g.Graph, name: str) -> Any:
+    """What ``derived`` holds under ``name`` for ``graph``, None if nothing yet."""
+    hit = _ARRAYS.get((id(graph), name))
+    return hit[1] if hit is not None and hit[0]() is graph else None
 
 
 def graph_arrays(graph: g.Graph) -> GraphArrays:
     """The arrays of ``graph``, cached while the Graph object lives (Graphs are immutable)."""
-    hit = _ARRAYS.get(id(graph))
-    if hit is not None and hit[0]() is graph:
-        return hit[1]
-    ga = _extract(graph)
-    key = id(graph)
-    _ARRAYS[key] = (weakref.ref(graph, lambda _r: _ARRAYS.pop(key, None)), ga)
-    return ga
+    return derived(graph, "graph", _extract)
 
 
 def ints(objs: Sequence[Any], attr: str) -> I64:

@@ -2,19 +2,24 @@
 ``memplan.core.evaluate``, whose docstring states the semantics): which forward ops each scope
 (a region, or a drop-cheap stage) covers, which saves become handles to it, which outside
 tensors its tape keeps or copies, and which ops its replay runs (stopping early, as torch's
-non-reentrant checkpoint does). Pure (no torch).
+non-reentrant checkpoint does). Array arithmetic over the Graph's ``eval_arrays``, the same
+for every plan. Pure (no torch).
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
 
 from memplan.core import graph as g
 from memplan.core import schedule as S
-from memplan.core.ops import is_expensive
+from memplan.core.eval_arrays import COPY, KEEP, KIND, eval_arrays
 from memplan.core.plan import Plan
 from memplan.errors import PlanMismatch
+
+I64 = npt.NDArray[np.int64]
 
 
 @dataclass(eq=False)
@@ -23,8 +28,7 @@ class Scope:
     parent: Scope | None
     lo_op: int
     hi_op: int
-    index: int
-    handles: list[tuple[int, int]] = field(default_factory=list)  # (value, saving op)
+    index: int  # scopes are numbered in preorder: a parent before its nested scopes
     children: list[Scope] = field(default_factory=list)
 
     @property
@@ -41,26 +45,40 @@ class Scope:
         return out
 
 
+def _ext(a: I64, fill: int = -1) -> I64:
+    """``a`` with ``fill`` appended: indexing it with -1 (no scope) gives ``fill``."""
+    return np.append(a, np.int64(fill))
+
+
 class PlanScopes:
-    """The scopes of ``plan`` on ``graph``, and what the runtime's tapes do with them."""
+    """The scopes of ``plan`` on ``graph``, the saves that become handles to them, and what
+    the runtime's tapes and replays do with them. Per scope arrays are indexed by
+    ``Scope.index``; per value and per op arrays by value id and op index."""
 
     def __init__(self, graph: g.Graph, plan: Plan) -> None:
         self.g = graph
-        self.n = len(graph.ops)
-        self.n_events = self.n + len(graph.backward_ops)
-        self.n_model = graph.forward.ops if graph.forward is not None else self.n
+        self.a = a = eval_arrays(graph)
+        self.n, self.n_events, self.n_model = a.n_ops, a.n_events, a.n_model
         self.scopes: list[Scope] = []
-        self.scope_of_op: list[Scope | None] = [None] * self.n
+        self.scope_of_op = np.full(self.n, -1, dtype=np.int64)
         self._scopes(plan)
-        self.expensive = [is_expensive(op.target) for op in graph.ops]
-        self._last_writes: dict[int, int] | None = None
-        self._replayed_ops: dict[int, list[int]] = {}  # after classify_saves only
-        self.savers: dict[int, list[int]] = defaultdict(list)
-        for op in graph.ops:
-            for vid in op.saved:
-                self.savers[vid].append(op.index)
-
-    # --- what the plan makes of the forward ---------------------------------------------------
+        sc = self.scopes
+        self.lo = np.array([s.lo_op for s in sc], dtype=np.int64)
+        self.hi = np.array([s.hi_op for s in sc], dtype=np.int64)
+        self.parent = np.array([-1 if s.parent is None else s.parent.index for s in sc],
+                               dtype=np.int64)
+        self.root = np.array([s.root.index for s in sc], dtype=np.int64)
+        self.drop_cheap = np.array([s.kind == "drop-cheap" for s in sc], dtype=np.bool_)
+        self.root_of_op = _ext(self.root)[self.scope_of_op]
+        made = (a.kind == KIND[g.ACTIVATION]) & (a.producer >= 0)
+        producer = np.where(made, a.producer, 0)
+        self.root_of_value = np.where(made, self.root_of_op[producer], -1)
+        # An expensive op's output in a drop-cheap scope: its tape keeps it until it replays.
+        self.held = (self.root_of_value >= 0) & np.append(self.drop_cheap, False)[
+            self.root_of_value] & a.expensive[producer]
+        self.native = self._classify_saves()
+        self._subtree_totals()
+        self._replayed_ops = self._replays()
 
     def _scopes(self, plan: Plan) -> None:
         stages = plan.stages
@@ -79,135 +97,120 @@ class PlanScopes:
                 self.scopes.append(sc)
                 if parent is not None:
                     parent.children.append(sc)
-                for o in range(sc.lo_op, sc.hi_op + 1):
-                    self.scope_of_op[o] = sc
+                self.scope_of_op[sc.lo_op: sc.hi_op + 1] = sc.index
                 if isinstance(it, S.Region):
                     walk(it.body, sc)
 
         walk(plan.schedule, None)
 
-    def root_of_value(self, vid: int) -> Scope | None:
-        v = self.g.values[vid]
-        if v.kind != g.ACTIVATION or v.producer < 0:
-            return None
-        sc = self.scope_of_op[v.producer]
-        return None if sc is None else sc.root
-
-    def held(self, vid: int) -> bool:
-        """An expensive op's output in a drop-cheap scope: its tape keeps it until it replays."""
-        root = self.root_of_value(vid)
-        return root is not None and root.kind == "drop-cheap" and self.expensive[
-            self.g.values[vid].producer]
-
-    def release(self, op: int) -> int:
-        """The event after which the saves of forward op ``op`` are released."""
-        r = self.g.ops[op].release_event
-        return r if r >= 0 else self.n_events - 1  # its node never ran: freed with the graph
-
-    def classify_saves(self) -> dict[int, int]:
-        """Handles to scopes; returns the latest native release per value."""
-        native: dict[int, int] = {}
-        for vid, ops in self.savers.items():
-            root = self.root_of_value(vid)
-            held = self.held(vid)
-            producer = self.g.values[vid].producer
-            for o in ops:
-                sc = self.scope_of_op[o]
-                if sc is not None and sc.root is root and root is not None and not held:
-                    owner = sc
-                    while owner.parent is not None and producer < owner.lo_op:
-                        owner = owner.parent
-                    owner.handles.append((vid, o))
-                else:
-                    native[vid] = max(native.get(vid, -1), self.release(o))
+    def _classify_saves(self) -> I64:
+        """Handles to scopes (``h_scope``, ``h_vid``, ``h_op``: the scope, the value, the
+        saving op); returns the latest native release per value (-1: none). A save inside the
+        value's top scope is a handle (unless its tape holds the value), owned by the
+        outermost scope the value was made in from the saving op's scope up."""
+        a = self.a
+        vid, op = a.saved_vid, a.saved_op
+        rv = self.root_of_value[vid]
+        sc = self.scope_of_op[op]
+        handle = (sc >= 0) & (_ext(self.root)[sc] == rv) & (rv >= 0) & ~self.held[vid]
+        owner, producer = sc[handle], a.producer[vid[handle]]
+        while True:
+            par = _ext(self.parent)[owner]
+            up = (par >= 0) & (producer < self.lo[owner])
+            if not up.any():
+                break
+            owner = np.where(up, par, owner)
+        self.h_scope, self.h_vid, self.h_op = owner, vid[handle], op[handle]
+        native = np.full(len(a.kind), -1, dtype=np.int64)
+        np.maximum.at(native, vid[~handle], a.release[op[~handle]])
         return native
+
+    def _subtree_totals(self) -> None:
+        """Per scope, over the handles of it and its nested scopes: whether it has any
+        (``kept``), the first event that unpacks one (``trigger``, -1: none: it never
+        replays) and the last release (``sub_release``, -1: none); per top scope, the event
+        its tape dies at (``tape_death``: its last handle's release)."""
+        k = len(self.scopes)
+        unpack = self.a.unpack[self.h_op]
+        first = np.full(k, self.n_events, dtype=np.int64)
+        np.minimum.at(first, self.h_scope[unpack >= 0], unpack[unpack >= 0])
+        last = np.full(k, -1, dtype=np.int64)
+        np.maximum.at(last, self.h_scope, self.a.release[self.h_op])
+        count = np.bincount(self.h_scope, minlength=k)
+        for s in reversed(self.scopes):  # nested scopes after their parents
+            if s.parent is not None:
+                p = s.parent.index
+                first[p], last[p] = min(first[p], first[s.index]), max(last[p], last[s.index])
+                count[p] += count[s.index]
+        self.kept = count > 0
+        self.trigger = np.where(first < self.n_events, first, -1)
+        self.sub_release = last
+        self.tape_death = np.where(last >= 0, last, self.n_model - 1)
 
     # --- what the tapes keep ------------------------------------------------------------------
 
-    def tape_reads(self) -> tuple[dict[int, list[tuple[Scope, int]]],
-                                  list[tuple[int, Scope, int]]]:
-        """Outside tensors each top scope's tape keeps (value -> (scope, first reading op)),
-        and the copies it makes of written ones: (op, scope, value). A buffer an op writes in
+    def tape_reads(self) -> tuple[tuple[I64, I64, I64], tuple[I64, I64, I64]]:
+        """Outside tensors each top scope's tape keeps, as (value, top scope, first reading
+        op) arrays with one row per value read by the scope or more (take the least op), and
+        the copies it makes of written ones: (op, top scope, value). A buffer an op writes in
         place (BatchNorm's ``num_batches_tracked += 1``) is copied too; the running statistics
         batch_norm writes never are (written only, never read back)."""
-        kept: dict[int, list[tuple[Scope, int]]] = defaultdict(list)
-        copies: list[tuple[int, Scope, int]] = []
-        values = self.g.values
-        for o in range(self.n_model):
-            sc = self.scope_of_op[o]
-            if sc is None:
-                continue
-            root = sc.root
-            op = self.g.ops[o]
-            written = self.written(o)
-            for vid in op.inputs:
-                if self.root_of_value(vid) is root:
-                    continue
-                if vid in written and (values[vid].kind not in (g.PARAMETER, g.BUFFER) or (
-                        vid in op.mutated and "batch_norm" not in op.target)):
-                    copies.append((o, root, vid))
-                elif values[vid].kind in (g.ACTIVATION, g.BACKWARD, g.EXTERNAL, g.INPUT) \
-                        and not any(r is root for r, _ in kept[vid]):
-                    kept[vid].append((root, o))
-        return kept, copies
-
-    def written(self, o: int) -> set[int]:
-        """Values op ``o`` writes, as the runtime sees them (batch norm writes its running
-        statistics without saying so in its schema)."""
-        op = self.g.ops[o]
-        out = set(op.mutated)
-        if "batch_norm" in op.target:
-            out.update(v for v in op.inputs if self.g.values[v].kind == g.BUFFER)
-        return out
-
-    def last_write(self) -> dict[int, int]:
-        """The last forward op writing each value."""
-        if self._last_writes is None:
-            self._last_writes = {}
-            for o in range(self.n):
-                for vid in self.written(o):
-                    self._last_writes[vid] = o
-        return self._last_writes
+        a = self.a
+        op, vid = a.input_op, a.inputs.item
+        root = self.root_of_op[op]
+        outside = (op < self.n_model) & (root >= 0) & (self.root_of_value[vid] != root)
+        kept = outside & (a.tape_use == KEEP)
+        copy = outside & (a.tape_use == COPY)
+        return (vid[kept], root[kept], op[kept]), (op[copy], root[copy], vid[copy])
 
     # --- what replays run ---------------------------------------------------------------------
 
-    def replayed_scopes(self) -> list[Scope]:
-        """The scopes backward replays: those with a handle (theirs or a nested scope's)
-        that backward unpacks (after ``classify_saves``)."""
-        return [sc for sc in self.scopes if any(
-            self.g.ops[o].unpack_event >= 0 for s in sc.subtree() for _, o in s.handles)]
+    def replayed_scopes(self) -> list[int]:
+        """The scopes backward replays (their index): those with a handle (theirs or a nested
+        scope's) that backward unpacks."""
+        return [int(s) for s in np.flatnonzero(self.trigger >= 0)]
 
-    def replayed(self, sc: Scope) -> list[int]:
-        """The ops scope ``sc``'s replay runs: like torch's non-reentrant checkpoint, it stops
-        once it has made every storage it gives back (its handles' values, its nested scopes'
-        inputs), or last wrote one in place; a drop-cheap replay skips its expensive ops."""
-        cached = self._replayed_ops.get(sc.index)
-        if cached is not None:
-            return cached
-        ops = [o for o in range(sc.lo_op, sc.hi_op + 1)
-               if sc.kind == "region" or not self.expensive[o]]
-        needed = {vid for vid, _ in sc.handles} | self._stash_values(sc)
-        end = -1
-        for i, o in enumerate(ops):
-            op = self.g.ops[o]
-            if any(v in needed for v in op.outputs) or any(v in needed for v in op.mutated):
-                end = i
-        self._replayed_ops[sc.index] = ops[: end + 1]
-        return ops[: end + 1]
+    def replayed(self, scope: int) -> I64:
+        """The ops scope ``scope``'s replay runs: like torch's non-reentrant checkpoint, it
+        stops once it has made every storage it gives back (its handles' values, its nested
+        scopes' inputs), or last wrote one in place; a drop-cheap replay skips its expensive
+        ops."""
+        return self._replayed_ops[scope]
 
-    def _stash_values(self, sc: Scope) -> set[int]:
-        """Values made in ``sc`` that a nested scope kept alive (one with a handle in its
+    def _replays(self) -> dict[int, I64]:
+        a = self.a
+        scopes = self.replayed_scopes()
+        stash = [(s, v) for s in scopes for v in self.stash_values(s)]
+        need_scope = np.concatenate([self.h_scope, np.array([s for s, _ in stash], np.int64)])
+        need_vid = np.concatenate([self.h_vid, np.array([v for _, v in stash], np.int64)])
+        end = np.full(len(self.scopes), -1, dtype=np.int64)
+        for rel in (a.makers, a.writers):  # ops making the value, writing it in place
+            i, op = rel.rows(need_vid)
+            sc = need_scope[i]
+            runs = (self.lo[sc] <= op) & (op <= self.hi[sc]) & ~(self.drop_cheap[sc]
+                                                                 & a.expensive[op])
+            np.maximum.at(end, sc[runs], op[runs])
+        self.replay_last = end  # the last op a replay runs (-1: none)
+        out: dict[int, I64] = {}
+        for s in scopes:
+            ops = np.arange(self.lo[s], end[s] + 1, dtype=np.int64)
+            out[s] = ops[~a.expensive[ops]] if self.drop_cheap[s] else ops
+        return out
+
+    def stash_values(self, scope: int) -> I64:
+        """Values made in ``scope`` that a nested scope kept alive (one with a handle in its
         subtree) reads from before it starts (``replay_intervals.stash_holds``)."""
-        out: set[int] = set()
-        for child in sc.children:
-            for d in child.subtree():
-                if not any(s.handles for s in d.subtree()):
-                    continue
-                for o in range(d.lo_op, d.hi_op + 1):
-                    for vid in self.g.ops[o].inputs:
-                        v = self.g.values[vid]
-                        if v.kind == g.ACTIVATION and sc.lo_op <= v.producer < child.lo_op:
-                            out.add(vid)
+        found = [self.reads_from(c.index, self.lo[scope], c.lo_op)
+                 for c in self.scopes[scope].children if self.kept[c.index]]
+        return np.unique(np.concatenate(found)) if found else np.zeros(0, dtype=np.int64)
+
+    def reads_from(self, scope: int, lo: int, hi: int) -> I64:
+        """Activations made by ops ``lo`` .. ``hi`` - 1 that ops of ``scope`` read."""
+        a = self.a
+        ptr = a.inputs.ptr
+        vid = a.inputs.item[ptr[self.lo[scope]]: ptr[self.hi[scope] + 1]]
+        p = a.producer[vid]
+        out: I64 = vid[(a.kind[vid] == KIND[g.ACTIVATION]) & (lo <= p) & (p < hi)]
         return out
 
 

@@ -5,77 +5,75 @@ bytes alive at every moment. Pure (no torch).
 
 from __future__ import annotations
 
-from collections import defaultdict
-from collections.abc import Callable
-
 import numpy as np
+import numpy.typing as npt
 
 from memplan.core import graph as g
 from memplan.core.floor import event_label
-from memplan.core.scopes import Scope, depth_then_index
+from memplan.core.scopes import PlanScopes, depth_then_index
 
+I64 = npt.NDArray[np.int64]
 NEVER = 1 << 62  # a death after every moment: alive after the step
-Interval = tuple[int, int, int]  # (birth moment, death moment, bytes)
+Intervals = tuple[I64, I64, I64]  # (birth moment, death moment, bytes), one entry each
 
 
 class Timeline:
     """Moments in step order: each event, and after an event the replays it triggers (a
     scope's parents first), each replayed op a moment (preceded by one for the copies of the
-    outside tensors it writes)."""
+    outside tensors it writes). The i-th replayed op of a scope runs at ``base + 2 i + 1``,
+    after the moment ``base + 2 i`` of its copies."""
 
-    def __init__(self, n_events: int, trigger: dict[int, int], scopes: list[Scope],
-                 replayed: Callable[[Scope], list[int]]) -> None:
-        self.triggered = set(trigger)
-        by_event: dict[int, list[Scope]] = defaultdict(list)
-        for sc in scopes:
-            if sc.index in trigger:
-                by_event[trigger[sc.index]].append(sc)
-        self.moment_of_event = [0] * n_events
-        self._replay: dict[int, list[tuple[int, int]]] = {}  # scope -> [(main, pre)] per op
-        self._before: dict[int, int] = {}
-        self.labels: list[str] = []
-        moment = 0
-        for e in range(n_events):
-            self.moment_of_event[e] = moment
-            self.labels.append(f"event {e}")
-            moment += 1
-            for sc in sorted(by_event.get(e, ()), key=depth_then_index):
-                ops = replayed(sc)
-                slots = []
-                for o in ops:
-                    self.labels += [f"replay of ops {sc.lo_op}..{sc.hi_op}, before op {o}",
-                                    f"replay of ops {sc.lo_op}..{sc.hi_op}, op {o}"]
-                    slots.append((moment + 1, moment))
-                    moment += 2
-                self._replay[sc.index] = slots
-                self._before[sc.index] = moment - 1  # an empty replay ends here
-        self.n_moments = moment
-
-    def replay_moments(self, scope: int, i: int) -> tuple[int, int]:
-        """(main, pre) moments of the i-th replayed op of ``scope``."""
-        return self._replay[scope][i]
+    def __init__(self, ps: PlanScopes) -> None:
+        order = sorted((ps.scopes[s] for s in ps.replayed_scopes()),
+                       key=lambda sc: (int(ps.trigger[sc.index]), *depth_then_index(sc)))
+        self.order = [sc.index for sc in order]  # replayed scopes, in the order they run
+        self.triggered = ps.trigger >= 0
+        self.length = np.zeros(len(ps.scopes), dtype=np.int64)
+        for s in self.order:
+            self.length[s] = len(ps.replayed(s))
+        events = ps.trigger[self.order]
+        extra = np.zeros(ps.n_events, dtype=np.int64)  # replay moments after each event
+        np.add.at(extra, events, 2 * self.length[self.order])
+        after = np.cumsum(extra)
+        self.moment_of_event = np.arange(ps.n_events, dtype=np.int64) + after - extra
+        self.n_moments = ps.n_events + int(after[-1]) if ps.n_events else 0
+        self.base = np.full(len(ps.scopes), -1, dtype=np.int64)
+        before = np.cumsum(2 * self.length[self.order]) - 2 * self.length[self.order]
+        # Within an event, scopes run one after another from the moment after it.
+        first = np.searchsorted(events, events)  # the first scope triggered by the same event
+        self.base[self.order] = (self.moment_of_event[events] + 1 + before - before[first])
+        self.ps = ps  # (for ``where``)
 
     def replay_end(self, scope: int) -> int:
-        slots = self._replay[scope]
-        return slots[-1][0] if slots else self._before[scope]
+        """The moment ``scope``'s replay ends (its last op; the one before it if empty)."""
+        return int(self.base[scope] + 2 * self.length[scope] - 1)
 
-    def sweep(self, intervals: list[Interval], graph: g.Graph) -> tuple[int, int, int]:
+    def replay_ends(self) -> I64:
+        """``replay_end`` of every scope (meaningless for those never replayed)."""
+        return self.base + 2 * self.length - 1
+
+    def sweep(self, intervals: Intervals, graph: g.Graph) -> tuple[int, int, int]:
         """(peak bytes, the forward's peak bytes, the moment of the peak)."""
+        birth, death, nbytes = intervals
+        ok = death >= birth
         delta = np.zeros(self.n_moments + 1, dtype=np.int64)
-        for birth, death, nbytes in intervals:
-            if death < birth:
-                continue
-            delta[birth] += nbytes
-            delta[min(death, self.n_moments - 1) + 1] -= nbytes
+        np.add.at(delta, birth[ok], nbytes[ok])
+        np.add.at(delta, np.minimum(death[ok], self.n_moments - 1) + 1, -nbytes[ok])
         live = np.cumsum(delta[:-1])
         at = int(np.argmax(live))
-        fwd_end = self.moment_of_event[len(graph.ops) - 1] + 1 if graph.ops else 0
+        fwd_end = int(self.moment_of_event[len(graph.ops) - 1]) + 1 if graph.ops else 0
         fwd_peak = int(live[:fwd_end].max()) if fwd_end else 0
         return int(live[at]), fwd_peak, at
 
     def where(self, moment: int, graph: g.Graph) -> str:
         """What runs at ``moment``, for people."""
-        label = self.labels[moment]
-        if label.startswith("event "):
-            return event_label(graph, int(label.split()[1]))
-        return label
+        e = int(np.searchsorted(self.moment_of_event, moment, side="right")) - 1
+        if self.moment_of_event[e] == moment:
+            return event_label(graph, e)
+        ran = [s for s in self.order if self.length[s]]  # (an empty replay has no moment)
+        s = ran[int(np.searchsorted(self.base[ran], moment, side="right")) - 1]
+        i, pre = divmod(moment - int(self.base[s]), 2)
+        sc = self.ps.scopes[s]
+        op = int(self.ps.replayed(s)[i])
+        return (f"replay of ops {sc.lo_op}..{sc.hi_op}, " +
+                (f"op {op}" if pre else f"before op {op}"))
