@@ -45,7 +45,7 @@ from memplan.core.graph_arrays import NO_DEATH
 from memplan.core.plan import Plan
 from memplan.core.replay_intervals import replay_intervals
 from memplan.core.scopes import PlanScopes
-from memplan.core.timeline import NEVER, Intervals, Timeline
+from memplan.core.timeline import NEVER, Intervals, Timeline, joined
 from memplan.errors import PlanMismatch
 
 I64 = npt.NDArray[np.int64]
@@ -104,9 +104,8 @@ def replay_counts(graph: g.Graph, plan: Plan) -> dict[int, int]:
 def evaluate_scopes(ps: PlanScopes) -> Evaluation:
     """The sweep: every original value's lifetime, the tapes' copies, the replays' storages."""
     timeline = Timeline(ps)
-    parts = [_originals(ps, timeline), _tape_copies(ps, timeline), replay_intervals(ps, timeline)]
-    intervals = (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]),
-                 np.concatenate([p[2] for p in parts]))
+    intervals = joined([_originals(ps, timeline), _tape_copies(ps, timeline),
+                        replay_intervals(ps, timeline)])
     peak, forward_peak, at = timeline.sweep(intervals, ps.g)
     return Evaluation(peak, forward_peak, timeline.where(at, ps.g))
 

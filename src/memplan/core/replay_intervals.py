@@ -15,7 +15,7 @@ import numpy.typing as npt
 from memplan.core import graph as g
 from memplan.core.eval_arrays import KIND
 from memplan.core.scopes import PlanScopes
-from memplan.core.timeline import Intervals, Timeline
+from memplan.core.timeline import Intervals, Timeline, joined
 
 I64 = npt.NDArray[np.int64]
 
@@ -97,7 +97,7 @@ def replay_intervals(ps: PlanScopes, tl: Timeline) -> Intervals:
     end = np.where(rel >= 0, np.maximum(end, m[rel]), end)
     end = np.maximum(end, stash.get(key))
     made = (r.main[k], end, a.nbytes[vid])
-    return _cat([made, _copies(ps, tl, r, last_read)])
+    return joined([made, _copies(ps, tl, r, last_read)])
 
 
 def _copies(ps: PlanScopes, tl: Timeline, r: Rows, last_read: ByKey) -> Intervals:
@@ -159,8 +159,3 @@ def stash_holds(ps: PlanScopes, tl: Timeline) -> ByKey:
 def _cat2(a: list[I64], b: list[I64]) -> tuple[I64, I64]:
     empty = np.zeros(0, dtype=np.int64)
     return (np.concatenate(a) if a else empty), (np.concatenate(b) if b else empty)
-
-
-def _cat(parts: list[Intervals]) -> Intervals:
-    return (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]),
-            np.concatenate([p[2] for p in parts]))

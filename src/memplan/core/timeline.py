@@ -17,6 +17,12 @@ NEVER = 1 << 62  # a death after every moment: alive after the step
 Intervals = tuple[I64, I64, I64]  # (birth moment, death moment, bytes), one entry each
 
 
+def joined(parts: list[Intervals]) -> Intervals:
+    """Several sets of intervals as one."""
+    return (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]),
+            np.concatenate([p[2] for p in parts]))
+
+
 class Timeline:
     """Moments in step order: each event, and after an event the replays it triggers (a
     scope's parents first), each replayed op a moment (preceded by one for the copies of the
