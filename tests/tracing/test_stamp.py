@@ -205,11 +205,14 @@ class CellLoop(nn.Module):
     """A user's loop over one of torch's RNN cells (a leaf module), the state passed back in
     by keyword, the loss on the last step's output (stamped); ``per_step``: a head and a loss
     on every step's output too, read outside the chain (not stamped); ``embed``: each step's
-    input an embedding's output, requiring grad and from outside the chain (not stamped)."""
+    input an embedding's output, requiring grad and from outside the chain (stamped: a fresh
+    input per call); ``shared``: every step reads the first step's input, the same tensor (its
+    gradient a sum over the calls, which the chain's stamp does not foresee: not stamped)."""
 
-    def __init__(self, kind: str, per_step: bool = False, embed: bool = False) -> None:
+    def __init__(self, kind: str, per_step: bool = False, embed: bool = False,
+                 shared: bool = False) -> None:
         super().__init__()
-        self.kind, self.per_step = kind, per_step
+        self.kind, self.per_step, self.shared = kind, per_step, shared
         self.embed = nn.Linear(8, 8) if embed else None
         self.cell = {"lstm": nn.LSTMCell, "gru": nn.GRUCell, "rnn": nn.RNNCell}[kind](8, 16)
         self.head = nn.Linear(16, 10)
@@ -218,9 +221,10 @@ class CellLoop(nn.Module):
         h = torch.zeros(x.shape[1], 16)
         state: Any = (h, torch.zeros_like(h)) if self.kind == "lstm" else h
         inputs = self.embed(x) if self.embed is not None else x
+        first = inputs[0]
         loss = torch.zeros(())
         for t in range(x.shape[0]):
-            state = self.cell(inputs[t], hx=state)
+            state = self.cell(first if self.shared else inputs[t], hx=state)
             h = state[0] if self.kind == "lstm" else state
             if self.per_step:
                 loss = loss + nn.functional.cross_entropy(self.head(h), target[t])
@@ -311,7 +315,9 @@ CASES: dict[str, tuple[Callable[[], Target], int | None]] = {
     "rnn_cell": (_cells("rnn"), 4),
     "gru_cell": (_cells("gru"), 0),  # h read twice (the gates, the blend): not foreseen
     "lstm_cell_per_step": (_cells("lstm", per_step=True), 0),
-    "lstm_cell_embedded": (_cells("lstm", embed=True), 0),  # inputs requiring grad: traced
+    "lstm_cell_embedded": (_cells("lstm", embed=True), 4),
+    "lstm_cell_shared_input": (_cells("lstm", embed=True, shared=True), 0),
+    "rnn_cell_embedded": (_cells("rnn", embed=True), 4),
     "universal_transformer": (_universal, 0),
     "albert": (_albert, 0),
 }
