@@ -205,35 +205,46 @@ def _templates(side: StepTracer, calls: list[SideCall], given: tuple[list[list[A
 def _edges(side: StepTracer, ops: tuple[int, int], targets: list[torch.Tensor]
            ) -> list[list[torch.Tensor | None]]:
     """Per target tensor, a cell filled by backward with the gradient the nodes of forward
-    ops ``ops`` hand it; more than one node handing it one: not foreseen."""
+    ops ``ops`` hand it: one node's, caught as it hands it; several nodes' (a GRU's state
+    read by its gates and its blend), their sum as autograd hands it on to the target's node
+    (each target is read by these nodes only: ``stamp_chain``)."""
     where = {}
     for k, t in enumerate(targets):
         if t.grad_fn is not None:
             where[(id(t.grad_fn), t.output_nr)] = k
-    cells: list[list[torch.Tensor | None]] = [[] for _ in targets]
+    readers: dict[int, list[tuple[Any, list[tuple[int, int]]]]] = {}
     seen: set[int] = set()
     for node, index in side._node_refs:
         if not ops[0] <= index < ops[1] or id(node) in seen:
             continue
         seen.add(id(node))
-        mine = [(i, where[(id(nxt), nr)]) for i, (nxt, nr) in enumerate(node.next_functions)
-                if nxt is not None and (id(nxt), nr) in where]
-        for _, k in mine:
-            if cells[k]:
-                raise Ineligible("an output read by two nodes of the next call")
-            cells[k].append(None)
-        if mine:
-            node.register_hook(_catch(side, cells, mine))
+        for i, (nxt, nr) in enumerate(node.next_functions):
+            if nxt is not None and (id(nxt), nr) in where:
+                readers.setdefault(where[(id(nxt), nr)], []).append((node, [(i, 0)]))
+    cells: list[list[torch.Tensor | None]] = [[] for _ in targets]
+    for k, nodes in sorted(readers.items()):
+        cells[k].append(None)
+        if len(nodes) == 1:
+            nodes[0][0].register_hook(_catch(side, [cells[k]], nodes[0][1]))
+        else:
+            t = targets[k]
+            t.grad_fn.register_prehook(_catch(side, [cells[k]], [(t.output_nr, 0)], pre=True))
     return cells
 
 
-def _catch(side: StepTracer, cells: list[list[Any]], mine: list[tuple[int, int]]) -> Any:
-    def hook(grad_inputs: Any, grad_outputs: Any) -> None:
+def _catch(side: StepTracer, cells: list[list[Any]], mine: list[tuple[int, int]],
+           pre: bool = False) -> Any:
+    """A node hook filling ``cells[k]`` with the spec of gradient ``i`` it hands on, per
+    (i, k) in ``mine``; ``pre``: a pre-hook, of the gradient ``i`` it is handed."""
+    def catch(grads: Any) -> None:
         for i, k in mine:  # the spec only: holding the tensor would keep it alive
-            t = grad_inputs[i]
+            t = grads[i]
             cells[k][0] = None if t is None else (side._lookup(t), (
                 tensor_spec(t), t._is_view(), int(t.untyped_storage().nbytes())))
-    return hook
+
+    if pre:
+        return catch
+    return lambda grad_inputs, grad_outputs: catch(grad_inputs)
 
 
 def _spec(side: StepTracer, cell: list[Any]) -> tuple[int, Spec] | None:
