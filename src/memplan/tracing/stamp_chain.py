@@ -5,7 +5,8 @@ requiring grad are the previous call's outputs, each once and in order, and inpu
 the chain (an embedding's output per step, say) run inside one autograd node each and emit that
 template. Their backward comes from a side run (``chain_side``) of two chained calls:
 the first call's backward templates a middle call's, the second's the last call's (its outputs
-not read on get no gradient). The weights' gradients add up across calls: stamped nodes hand
+not read on get no gradient; an input read by two of its nodes, a GRU's state or a residual
+stream, gets their sum). The weights' gradients add up across calls: stamped nodes hand
 autograd none; the stamper writes the adds the template holds and the earliest stamped call,
 last to run backward, hands autograd the running sums, which the traced calls before it add
 onto as they would. Whatever the template did not foresee raises ``StampMismatch``.
