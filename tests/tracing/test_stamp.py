@@ -235,19 +235,21 @@ class UniversalTransformer(nn.Module):
     """One ``nn.TransformerEncoderLayer`` called four times on its own output, with dropout
     and a causal mask by keyword: its input is read by the attention and the residual add
     (two nodes), its gradient their sum, which its chain's side run sees as autograd hands it
-    on: stamped."""
+    on: stamped. ``head``: a linear head on the last output, whose gradient is then a view
+    (the head's matmul reshaped back): stamped too."""
 
-    def __init__(self) -> None:
+    def __init__(self, head: bool = False) -> None:
         super().__init__()
         self.embed = nn.Linear(8, 16)
         self.layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.1, batch_first=True)
+        self.head = nn.Linear(16, 3) if head else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.embed(x)
         mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1])
         for _ in range(4):
             h = self.layer(h, src_mask=mask)
-        return h
+        return h if self.head is None else self.head(h)
 
 
 def _cells(kind: str, **kw: bool) -> Callable[[], Target]:
@@ -258,9 +260,9 @@ def _cells(kind: str, **kw: bool) -> Callable[[], Target]:
     return make
 
 
-def _universal() -> Target:
+def _universal(head: bool = False) -> Target:
     torch.manual_seed(0)
-    return as_target(UniversalTransformer(), (torch.randn(2, 5, 8),),
+    return as_target(UniversalTransformer(head), (torch.randn(2, 5, 8),),
                      lambda out: out.square().mean())
 
 
@@ -320,6 +322,7 @@ CASES: dict[str, tuple[Callable[[], Target], int | None]] = {
     "lstm_cell_shared_input": (_cells("lstm", embed=True, shared=True), 0),
     "rnn_cell_embedded": (_cells("rnn", embed=True), 4),
     "universal_transformer": (_universal, 2),
+    "universal_transformer_head": (lambda: _universal(head=True), 2),
     "albert": (_albert, 0),
 }
 

@@ -68,15 +68,17 @@ class _Copies:
 
 def side_run(main: StepTracer, module: torch.nn.Module, fwd: Forward, flat: list[Any],
              spec: Any, params: list[torch.Tensor], buffers: list[torch.Tensor],
-             used: list[int], links: list[int]) -> ChainTemplate:
+             used: list[int], links: list[int], viewed: list[int]) -> ChainTemplate:
     """Two chained calls of ``module`` alone, forward and backward, read as templates;
-    ``links``: per input requiring grad, the previous call's output it is, or -1."""
+    ``links``: per input requiring grad, the previous call's output it is, or -1;
+    ``viewed``: outputs of the last call the model reshapes (their gradient a view)."""
     if not used:
         raise Ineligible("no output of the last call is read")
     side = StepTracer(record=True, fake=main.fake)
     side._run = main._run
     copies = _copies(main, side, flat, params, buffers, links)
-    calls, ins, loss = _forward(main, side, module, (flat, spec), copies, used, links)
+    calls, ins, loss = _forward(main, side, module, (flat, spec), copies, (used, viewed),
+                                links)
     for call in calls:
         _same_forward(side, fwd, call)
     # What each call hands its inputs, and what the loss hands the second call's outputs:
@@ -113,12 +115,13 @@ def _copies(main: StepTracer, side: StepTracer, flat: list[Any], params: list[to
 
 
 def _forward(main: StepTracer, side: StepTracer, module: torch.nn.Module,
-             args_tree: tuple[list[Any], Any], copies: _Copies, used: list[int],
-             links: list[int]) -> tuple[list[SideCall], list[list[torch.Tensor]],
-                                        torch.Tensor | int]:
+             args_tree: tuple[list[Any], Any], copies: _Copies,
+             read: tuple[list[int], list[int]], links: list[int]
+             ) -> tuple[list[SideCall], list[list[torch.Tensor]], torch.Tensor | int]:
     """The two calls' forward on the side tracer, the second taking the first's outputs as its
     arguments that require grad (``links``, the others fresh); returns the calls, each call's
-    such arguments, and a loss of the outputs ``used`` of the second."""
+    such arguments, and a loss of the outputs ``read[0]`` of the second (those in ``read[1]``
+    reshaped first, as the model does: their gradient a view, as the model's)."""
     flat, spec = args_tree
     names = ([n for n, _ in module.named_parameters()], [n for n, _ in module.named_buffers()])
     state = dict(zip(names[0], copies.params)) | dict(zip(names[1], copies.buffers))
@@ -144,7 +147,9 @@ def _forward(main: StepTracer, side: StepTracer, module: torch.nn.Module,
             calls.append(SideCall(op0, len(side.ops), v0, len(side.values), outer, outs))
             outside = iter(fresh)
             ins.append([outs[j] if j >= 0 else next(outside) for j in links])
-        loss = sum((calls[1].outs[j] * 2.0).sum() for j in used)
+        used, viewed = read
+        last = calls[1].outs
+        loss = sum(((last[j].view(-1) if j in viewed else last[j]) * 2.0).sum() for j in used)
     side.end_forward()
     return calls, ins[:2], loss
 

@@ -230,11 +230,12 @@ class ChainStamper:
             assert chain.forward is not None and chain.first is not None and chain.last
             read_after = {v for op in tracer.ops[chain.last.end:] for v in op.inputs}
             used = [j for j, v in enumerate(chain.last.outs) if v in read_after]
+            viewed = [j for j in used if _first_reader(tracer, chain.last, j) in _RESHAPES]
             try:
                 assert chain.links is not None
                 chain.template = chain_side.side_run(tracer, chain.module, chain.forward, chain.args,
                                                      chain.spec, chain.params, chain.buffers,
-                                                     used, chain.links)
+                                                     used, chain.links, viewed)
             except Ineligible as err:
                 raise StampMismatch(f"chain side run: {err}") from None
             self._outputs_private(chain)
@@ -354,6 +355,16 @@ class ChainUnit(torch.autograd.Function):
         chain.sums = sums
         chain.done += 1
         return (None,) * 7 + tuple(handed)
+
+
+_RESHAPES = frozenset(("aten.view.default", "aten._unsafe_view.default"))
+
+
+def _first_reader(tracer: StepTracer, last: _Call, j: int) -> str | None:
+    """The first op after the chain that reads the last call's output ``j``: a reshape hands
+    the call a gradient that is a view (a head's matmul, reshaped back)."""
+    v = last.outs[j]
+    return next((op.target for op in tracer.ops[last.end:] if v in op.inputs), None)
 
 
 def _no_clones(targets: list[str]) -> list[str]:
