@@ -2,8 +2,9 @@
 calls (fresh fake copies of the weights, fresh inputs that require grad, under a tracer of its
 own): the first call's backward is a middle call's, the second's the last call's (only the
 outputs the model reads after its last call get a gradient). Inputs requiring grad from outside
-the chain (``links``: -1) are fresh for each call, and get their gradient as the others do. Checked on the paper's LSTM
-(``benchmarks/stamp_facts.py``): op for op, event for event, death for death.
+the chain (``links``: -1) are fresh for each call and get their gradient as the others do.
+Checked on the paper's LSTM (``benchmarks/stamp_facts.py``): op for op, event for event, death
+for death.
 
 Codes as in ``stamp_template``, with two more kinds of outer value after the call's tensor
 arguments, parameters and buffers: the incoming gradient of each output, then the running sum
@@ -82,7 +83,7 @@ def side_run(main: StepTracer, module: torch.nn.Module, fwd: Forward, flat: list
     for call in calls:
         _same_forward(side, fwd, call)
     # What each call hands its inputs, and what the loss hands the second call's outputs:
-    # read off the nodes' edges (a tensor hook would see the sum over all its uses).
+    # caught at the nodes (``_edges``; a tensor hook would see the sum over all its uses).
     given = [_edges(side, (c.op0, c.op1), ins[n]) for n, c in enumerate(calls)]
     to_last = _edges(side, (calls[1].op1, len(side.ops)), calls[1].outs)
     with main.paused(), side:
@@ -233,6 +234,7 @@ def _edges(side: StepTracer, ops: tuple[int, int], targets: list[torch.Tensor]
             nodes[0][0].register_hook(_catch(side, [cells[k]], nodes[0][1]))
         else:
             t = targets[k]
+            assert t.grad_fn is not None  # ``where`` holds targets with a node only
             t.grad_fn.register_prehook(_catch(side, [cells[k]], [(t.output_nr, 0)], pre=True))
     return cells
 

@@ -71,8 +71,9 @@ class Chain:
     links: list[int] | None = None  # per input requiring grad: the output it is, or -1
     stamps: list[_Call] = field(default_factory=list)
     made: set[int] = field(default_factory=set)  # chained calls' outputs (values)
-    fed: dict[tuple[int, int], Any] = field(default_factory=dict)  # the autograd edges its
-    # calls' inputs requiring grad hand gradients to (their nodes held: an id is not reused)
+    fed: set[tuple[int, int]] = field(default_factory=set)  # the autograd edges its calls'
+    # inputs requiring grad hand gradients to (the forward's graph holds their nodes: an id
+    # is not reused while it runs)
     last: _Call | None = None
     sums: list[int] = field(default_factory=list)  # running sum of each weight's gradient
     done: int = 0  # stamped backwards run
@@ -124,7 +125,7 @@ class ChainStamper:
         ins = [v for v, t in zip(outer, tensors) if t.requires_grad]
         prev = chain.last
         grad_in = [t for t in tensors if t.requires_grad]
-        links = None if prev is None else _links(ins, prev.outs, chain.made)
+        links = None if prev is None else _links(ins, prev.outs, chain.made)  # type: ignore[arg-type]
         if not _fresh(chain, grad_in, links):
             links = None
         if key != chain.key or chain.forward is None or links is None \
@@ -391,8 +392,8 @@ def _fresh(chain: Chain, grad_in: list[torch.Tensor], links: list[int] | None) -
     edge no call of the chain fed before (``x[t]`` each step: yes; one tensor every step: no,
     its gradient a sum over the calls, which the template does not foresee; a leaf: no, the
     same). Every input's edge is noted."""
-    edges = [((id(t.grad_fn), t.output_nr), t.grad_fn) for t in grad_in]
-    outside = [e for (e, node), j in zip(edges, links or ()) if j < 0]
+    edges = [(id(t.grad_fn), t.output_nr) for t in grad_in]
+    outside = [e for e, j in zip(edges, links or ()) if j < 0]
     fresh = links is not None and len(set(outside)) == len(outside) and all(
         e[0] != id(None) and e not in chain.fed for e in outside)
     chain.fed.update(edges)
