@@ -1,5 +1,6 @@
 """Capture time (issue 14, item 3): ``memplan.capture`` of the paper's ResNet-1000 (batch 32)
-and LSTM (T=1024, T=2048), wall and process CPU seconds, each run in a fresh process (the fake
+and LSTM (T=1024, T=2048), and of loops users write around torch's modules (``user_loops``:
+``emb-lstm1024``, ``emb-gru1024``, ``universal48``), wall and process CPU seconds, each run in a fresh process (the fake
 mode's cache is process-wide), 1 thread, interleaved with the reference path (every op through
 the fake mode, ``--reference``), medians; the load average beside each figure. Both paths must
 give the same graph fingerprint. ``--src`` times other source trees too, interleaved (e.g. a
@@ -31,26 +32,37 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "lstm256": ("lstm", {"steps": 256}),
     "lstm1024": ("lstm", {"steps": 1024}),
     "lstm2048": ("lstm", {"steps": 2048}),
+    # Loops users write around torch's modules (``user_loops``): --models emb-lstm1024,...
+    "emb-lstm1024": ("user:emb-lstmcell", {"steps": 1024}),
+    "emb-gru1024": ("user:emb-grucell", {"steps": 1024}),
+    "universal48": ("user:universal", {"steps": 48}),
 }
 # --warm: a model of the same family, captured first in the process (tests/small.py's configs).
 WARMUP: dict[str, dict[str, Any]] = {
     "resnet": {"depth": 14, "batch": 2, "image": 32, "classes": 10},
     "lstm": {"steps": 4, "batch": 2, "hidden": 32, "input": 8, "classes": 10},
+    "user:emb-lstmcell": {"steps": 3}, "user:emb-grucell": {"steps": 3},
+    "user:universal": {"steps": 3},
 }
 
 _RUN = """
 import json, os, time, torch
 torch.set_num_threads(1)
 import memplan
+def build(params):
+    if {name!r}.startswith("user:"):
+        import user_loops
+        return user_loops.build({name!r}[5:], **params)
+    return memplan.models.get({name!r}, **params), (), None
 def capture(w):
     if {fast!r}:
-        return memplan.capture(w)
+        return memplan.capture(w[0], *w[1], loss_fn=w[2])
     from memplan.tracing.capture import capture_target
     from memplan.tracing.step import as_target
-    return capture_target(as_target(w, (), None), fast=False)
-w = memplan.models.get({name!r}, **{params!r})
+    return capture_target(as_target(*w), fast=False)
+w = build({params!r})
 if {warm!r}:
-    capture(memplan.models.get({name!r}, **{warmup!r}))
+    capture(build({warmup!r}))
 wall, cpu = time.perf_counter(), time.process_time()
 g = capture(w)
 print(json.dumps({{"wall_s": time.perf_counter() - wall, "cpu_s": time.process_time() - cpu,
@@ -70,8 +82,10 @@ def run_json(code: str, src: str | None = None) -> dict[str, Any]:
     """Run ``code`` in a fresh process, 1 thread (``src``: a source tree to import memplan
     from), and return the JSON object its last output line prints."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    if src is not None:
-        env["PYTHONPATH"] = os.path.abspath(src)
+    here = os.path.dirname(os.path.abspath(__file__))  # user_loops
+    paths = [os.path.abspath(src)] if src is not None else []
+    paths += [here] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+    env["PYTHONPATH"] = os.pathsep.join(paths)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           check=True, env=env)
     return dict(json.loads(done.stdout.strip().splitlines()[-1]))

@@ -205,11 +205,14 @@ class CellLoop(nn.Module):
     """A user's loop over one of torch's RNN cells (a leaf module), the state passed back in
     by keyword, the loss on the last step's output (stamped); ``per_step``: a head and a loss
     on every step's output too, read outside the chain (not stamped); ``embed``: each step's
-    input an embedding's output, requiring grad and from outside the chain (not stamped)."""
+    input an embedding's output, requiring grad and from outside the chain (stamped: a fresh
+    input per call); ``shared``: every step reads the first step's input, the same tensor (its
+    gradient a sum over the calls, which the chain's stamp does not foresee: not stamped)."""
 
-    def __init__(self, kind: str, per_step: bool = False, embed: bool = False) -> None:
+    def __init__(self, kind: str, per_step: bool = False, embed: bool = False,
+                 shared: bool = False) -> None:
         super().__init__()
-        self.kind, self.per_step = kind, per_step
+        self.kind, self.per_step, self.shared = kind, per_step, shared
         self.embed = nn.Linear(8, 8) if embed else None
         self.cell = {"lstm": nn.LSTMCell, "gru": nn.GRUCell, "rnn": nn.RNNCell}[kind](8, 16)
         self.head = nn.Linear(16, 10)
@@ -218,9 +221,10 @@ class CellLoop(nn.Module):
         h = torch.zeros(x.shape[1], 16)
         state: Any = (h, torch.zeros_like(h)) if self.kind == "lstm" else h
         inputs = self.embed(x) if self.embed is not None else x
+        first = inputs[0]
         loss = torch.zeros(())
         for t in range(x.shape[0]):
-            state = self.cell(inputs[t], hx=state)
+            state = self.cell(first if self.shared else inputs[t], hx=state)
             h = state[0] if self.kind == "lstm" else state
             if self.per_step:
                 loss = loss + nn.functional.cross_entropy(self.head(h), target[t])
@@ -230,19 +234,22 @@ class CellLoop(nn.Module):
 class UniversalTransformer(nn.Module):
     """One ``nn.TransformerEncoderLayer`` called four times on its own output, with dropout
     and a causal mask by keyword: its input is read by the attention and the residual add
-    (two nodes), a gradient sum its chain's stamp does not foresee: not stamped."""
+    (two nodes), its gradient their sum, which its chain's side run sees as autograd hands it
+    on: stamped. ``head``: a linear head on the last output, whose gradient is then a view
+    (the head's matmul reshaped back): stamped too."""
 
-    def __init__(self) -> None:
+    def __init__(self, head: bool = False) -> None:
         super().__init__()
         self.embed = nn.Linear(8, 16)
         self.layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.1, batch_first=True)
+        self.head = nn.Linear(16, 3) if head else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.embed(x)
         mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1])
         for _ in range(4):
             h = self.layer(h, src_mask=mask)
-        return h
+        return h if self.head is None else self.head(h)
 
 
 def _cells(kind: str, **kw: bool) -> Callable[[], Target]:
@@ -253,9 +260,9 @@ def _cells(kind: str, **kw: bool) -> Callable[[], Target]:
     return make
 
 
-def _universal() -> Target:
+def _universal(head: bool = False) -> Target:
     torch.manual_seed(0)
-    return as_target(UniversalTransformer(), (torch.randn(2, 5, 8),),
+    return as_target(UniversalTransformer(head), (torch.randn(2, 5, 8),),
                      lambda out: out.square().mean())
 
 
@@ -309,10 +316,13 @@ CASES: dict[str, tuple[Callable[[], Target], int | None]] = {
     # state needs no grad; the second the template), a Universal Transformer, HF ALBERT.
     "lstm_cell": (_cells("lstm"), 4),
     "rnn_cell": (_cells("rnn"), 4),
-    "gru_cell": (_cells("gru"), 0),  # h read twice (the gates, the blend): not foreseen
+    "gru_cell": (_cells("gru"), 4),  # h read twice (the gates, the blend): their sum
     "lstm_cell_per_step": (_cells("lstm", per_step=True), 0),
-    "lstm_cell_embedded": (_cells("lstm", embed=True), 0),  # inputs requiring grad: traced
-    "universal_transformer": (_universal, 0),
+    "lstm_cell_embedded": (_cells("lstm", embed=True), 4),
+    "lstm_cell_shared_input": (_cells("lstm", embed=True, shared=True), 0),
+    "rnn_cell_embedded": (_cells("rnn", embed=True), 4),
+    "universal_transformer": (_universal, 2),
+    "universal_transformer_head": (lambda: _universal(head=True), 2),
     "albert": (_albert, 0),
 }
 
@@ -351,7 +361,7 @@ def test_stamped_capture_equals_the_reference_path(case: str, monkeypatch: Any) 
     assert stamped == expect_stamped
 
 
-@pytest.mark.parametrize("case", ["gru_cell", "lstm_cell_per_step", "universal_transformer"])
+@pytest.mark.parametrize("case", ["lstm_cell_per_step"])
 def test_chains_left_unstamped_early_would_fall_back(case: str, monkeypatch: Any) -> None:
     """What ``ChainStamper._foreseeable`` refuses before the first stamp, ``end_forward``
     refuses after the forward: stamped anyway, the capture falls back to the reference path."""

@@ -1,8 +1,10 @@
 """The backward of a chained module's calls (``stamp_chain``), from a side run of two chained
 calls (fresh fake copies of the weights, fresh inputs that require grad, under a tracer of its
 own): the first call's backward is a middle call's, the second's the last call's (only the
-outputs the model reads after its last call get a gradient). Checked on the paper's LSTM
-(``benchmarks/stamp_facts.py``): op for op, event for event, death for death.
+outputs the model reads after its last call get a gradient). Inputs requiring grad from outside
+the chain (``links``: -1) are fresh for each call and get their gradient as the others do.
+Checked on the paper's LSTM (``benchmarks/stamp_facts.py``): op for op, event for event, death
+for death.
 
 Codes as in ``stamp_template``, with two more kinds of outer value after the call's tensor
 arguments, parameters and buffers: the incoming gradient of each output, then the running sum
@@ -55,9 +57,11 @@ class ChainTemplate:
 @dataclass
 class _Copies:
     """The side run's own tensors, registered on its tracer: the first call's arguments that
-    require grad, per call the arguments that do not, the weights and the buffers."""
+    require grad, the second's from outside the chain, per call the arguments that do not, the
+    weights and the buffers."""
 
     leaves: list[torch.Tensor]
+    outside: list[torch.Tensor]
     others: list[list[torch.Tensor]]
     params: list[torch.Tensor]
     buffers: list[torch.Tensor]
@@ -65,62 +69,71 @@ class _Copies:
 
 def side_run(main: StepTracer, module: torch.nn.Module, fwd: Forward, flat: list[Any],
              spec: Any, params: list[torch.Tensor], buffers: list[torch.Tensor],
-             used: list[int]) -> ChainTemplate:
-    """Two chained calls of ``module`` alone, forward and backward, read as templates."""
+             used: list[int], links: list[int], viewed: list[int]) -> ChainTemplate:
+    """Two chained calls of ``module`` alone, forward and backward, read as templates;
+    ``links``: per input requiring grad, the previous call's output it is, or -1;
+    ``viewed``: outputs of the last call the model reshapes (their gradient a view)."""
     if not used:
         raise Ineligible("no output of the last call is read")
     side = StepTracer(record=True, fake=main.fake)
     side._run = main._run
-    copies = _copies(main, side, flat, params, buffers)
-    calls, starts, loss = _forward(main, side, module, (flat, spec), copies, used)
+    copies = _copies(main, side, flat, params, buffers, links)
+    calls, ins, loss = _forward(main, side, module, (flat, spec), copies, (used, viewed),
+                                links)
     for call in calls:
         _same_forward(side, fwd, call)
     # What each call hands its inputs, and what the loss hands the second call's outputs:
-    # read off the nodes' edges (a tensor hook would see the sum over all its uses).
-    given = [_edges(side, (c.op0, c.op1), ins)
-             for c, ins in ((calls[0], starts), (calls[1], calls[0].outs))]
+    # caught at the nodes (``_edges``; a tensor hook would see the sum over all its uses).
+    given = [_edges(side, (c.op0, c.op1), ins[n]) for n, c in enumerate(calls)]
     to_last = _edges(side, (calls[1].op1, len(side.ops)), calls[1].outs)
     with main.paused(), side:
         loss.backward()  # type: ignore[union-attr]
     grads, firsts = _weight_grads(side, copies.params)
-    return _templates(side, calls, given, to_last, grads, firsts)
+    # The first call's outputs get what the second hands the inputs they are.
+    to_first = [given[1][links.index(j)] for j in range(len(calls[0].outs))]
+    return _templates(side, calls, (given[0], to_first, given[1]), to_last, grads, firsts)
 
 
 def _copies(main: StepTracer, side: StepTracer, flat: list[Any], params: list[torch.Tensor],
-            buffers: list[torch.Tensor]) -> _Copies:
+            buffers: list[torch.Tensor], links: list[int]) -> _Copies:
     """Fresh fake copies of the call's tensor arguments (the others: two sets, one per call),
     weights and buffers, made with the model's tracer paused: they are not the model's."""
     tensors = [a for a in flat if isinstance(a, ArgSpec)]
     with main.paused():
-        leaves = [t.make().requires_grad_() for t in tensors if t.requires_grad]
+        grad_in = [t for t in tensors if t.requires_grad]
+        leaves = [t.make().requires_grad_() for t in grad_in]
+        outside = [grad_in[p].make().requires_grad_() for p, j in enumerate(links) if j < 0]
         p2 = [empty_like_strided(p).requires_grad_(p.requires_grad) for p in params]
         b2 = [empty_like_strided(b) for b in buffers]
         others = [[t.make() for t in tensors if not t.requires_grad] for _ in range(2)]
-    for t in (*leaves, *others[0], *others[1]):
+    for t in (*leaves, *outside, *others[0], *others[1]):
         side.register(t, g.INPUT)
     for p in p2:
         side.register(p, g.PARAMETER)
     for b in b2:
         side.register(b, g.BUFFER)
-    return _Copies(leaves, others, p2, b2)
+    return _Copies(leaves, outside, others, p2, b2)
 
 
 def _forward(main: StepTracer, side: StepTracer, module: torch.nn.Module,
-             args_tree: tuple[list[Any], Any], copies: _Copies, used: list[int]
-             ) -> tuple[list[SideCall], list[torch.Tensor], torch.Tensor | int]:
+             args_tree: tuple[list[Any], Any], copies: _Copies,
+             read: tuple[list[int], list[int]], links: list[int]
+             ) -> tuple[list[SideCall], list[list[torch.Tensor]], torch.Tensor | int]:
     """The two calls' forward on the side tracer, the second taking the first's outputs as its
-    arguments that require grad; returns the calls, the first call's such arguments, and a
-    loss of the outputs ``used`` of the second."""
+    arguments that require grad (``links``, the others fresh); returns the calls, each call's
+    such arguments, and a loss of the outputs ``read[0]`` of the second (those in ``read[1]``
+    reshaped first, as the model does: their gradient a view, as the model's)."""
     flat, spec = args_tree
     names = ([n for n, _ in module.named_parameters()], [n for n, _ in module.named_buffers()])
     state = dict(zip(names[0], copies.params)) | dict(zip(names[1], copies.buffers))
     hooks = torch.autograd.graph.saved_tensors_hooks(side.pack, side.unpack)
     calls: list[SideCall] = []
     with main.paused(), side, hooks:
-        grad_in = [t.clone() for t in copies.leaves]
-        starts = list(grad_in)
+        # Clones: the gradient each call hands its inputs is caught at their nodes (``_edges``).
+        ins = [[t.clone() for t in copies.leaves]]
+        fresh = [t.clone() for t in copies.outside]
         for n in range(2):
-            it, other = iter(grad_in), iter(copies.others[n])
+            it, other = iter(ins[n]), iter(copies.others[n])
             args = [(next(it) if a.requires_grad else next(other))
                     if isinstance(a, ArgSpec) else a for a in flat]
             arg_tensors = [a for a in args if isinstance(a, torch.Tensor)]
@@ -129,13 +142,17 @@ def _forward(main: StepTracer, side: StepTracer, module: torch.nn.Module,
             pos, kw = tree_unflatten(args, spec)  # (positional, keyword): ``stamp_chain.call``
             out = functional_call(module, state, tuple(pos), kw)
             outs = tree_flatten(out)[0]
-            if len(outs) != len(grad_in) or any(not isinstance(t, torch.Tensor) for t in outs):
+            if len(outs) != len(links) - links.count(-1) \
+                    or any(not isinstance(t, torch.Tensor) for t in outs):
                 raise Ineligible("the outputs are not the next call's inputs")
             calls.append(SideCall(op0, len(side.ops), v0, len(side.values), outer, outs))
-            grad_in = outs
-        loss = sum((calls[1].outs[j] * 2.0).sum() for j in used)
+            outside = iter(fresh)
+            ins.append([outs[j] if j >= 0 else next(outside) for j in links])
+        used, viewed = read
+        last = calls[1].outs
+        loss = sum(((last[j].view(-1) if j in viewed else last[j]) * 2.0).sum() for j in used)
     side.end_forward()
-    return calls, starts, loss
+    return calls, ins[:2], loss
 
 
 def _same_forward(side: StepTracer, fwd: Forward, call: SideCall) -> None:
@@ -169,16 +186,17 @@ def _weight_grads(side: StepTracer, params: list[torch.Tensor]) -> tuple[list[in
     return grads, firsts
 
 
-def _templates(side: StepTracer, calls: list[SideCall], given: list[list[list[Any]]],
+def _templates(side: StepTracer, calls: list[SideCall], given: tuple[list[list[Any]], ...],
                to_last: list[list[Any]], grads: list[int], firsts: list[int]) -> ChainTemplate:
     """The second call's window as the last call's (no running sums handed over), the first's
-    as a middle call's (adding onto the sums the call after it hands over)."""
+    as a middle call's (adding onto the sums the call after it hands over). ``given``: what
+    the first call hands its inputs, what its outputs get, what the second hands its inputs."""
     saved = [_saved(side, calls[n]) for n in range(2)]
     if saved[0] != saved[1]:
         raise Ineligible("the two calls save differently")
     calls_values = range(calls[0].v0, calls[1].v1)
     last = read_window(side, calls[1], [_spec(side, t) for t in to_last],
-                       [_spec(side, t) for t in given[1]], [], firsts, saved[1], calls_values)
+                       [_spec(side, t) for t in given[2]], [], firsts, saved[1], calls_values)
     # Values of the side run's own loss may die anywhere (autograd frees a node's inputs
     # late); the calls' forward values and the last call's backward values may not.
     ws, we, _ = backward_window(side, range(calls[1].op0, calls[1].op1))
@@ -193,35 +211,47 @@ def _templates(side: StepTracer, calls: list[SideCall], given: list[list[list[An
 def _edges(side: StepTracer, ops: tuple[int, int], targets: list[torch.Tensor]
            ) -> list[list[torch.Tensor | None]]:
     """Per target tensor, a cell filled by backward with the gradient the nodes of forward
-    ops ``ops`` hand it; more than one node handing it one: not foreseen."""
+    ops ``ops`` hand it: one node's, caught as it hands it; several nodes' (a GRU's state
+    read by its gates and its blend), their sum as autograd hands it on to the target's node
+    (each target is read by these nodes only: ``stamp_chain``)."""
     where = {}
     for k, t in enumerate(targets):
         if t.grad_fn is not None:
             where[(id(t.grad_fn), t.output_nr)] = k
-    cells: list[list[torch.Tensor | None]] = [[] for _ in targets]
+    readers: dict[int, list[tuple[Any, list[tuple[int, int]]]]] = {}
     seen: set[int] = set()
     for node, index in side._node_refs:
         if not ops[0] <= index < ops[1] or id(node) in seen:
             continue
         seen.add(id(node))
-        mine = [(i, where[(id(nxt), nr)]) for i, (nxt, nr) in enumerate(node.next_functions)
-                if nxt is not None and (id(nxt), nr) in where]
-        for _, k in mine:
-            if cells[k]:
-                raise Ineligible("an output read by two nodes of the next call")
-            cells[k].append(None)
-        if mine:
-            node.register_hook(_catch(side, cells, mine))
+        for i, (nxt, nr) in enumerate(node.next_functions):
+            if nxt is not None and (id(nxt), nr) in where:
+                readers.setdefault(where[(id(nxt), nr)], []).append((node, [(i, 0)]))
+    cells: list[list[torch.Tensor | None]] = [[] for _ in targets]
+    for k, nodes in sorted(readers.items()):
+        cells[k].append(None)
+        if len(nodes) == 1:
+            nodes[0][0].register_hook(_catch(side, [cells[k]], nodes[0][1]))
+        else:
+            t = targets[k]
+            assert t.grad_fn is not None  # ``where`` holds targets with a node only
+            t.grad_fn.register_prehook(_catch(side, [cells[k]], [(t.output_nr, 0)], pre=True))
     return cells
 
 
-def _catch(side: StepTracer, cells: list[list[Any]], mine: list[tuple[int, int]]) -> Any:
-    def hook(grad_inputs: Any, grad_outputs: Any) -> None:
+def _catch(side: StepTracer, cells: list[list[Any]], mine: list[tuple[int, int]],
+           pre: bool = False) -> Any:
+    """A node hook filling ``cells[k]`` with the spec of gradient ``i`` it hands on, per
+    (i, k) in ``mine``; ``pre``: a pre-hook, of the gradient ``i`` it is handed."""
+    def catch(grads: Any) -> None:
         for i, k in mine:  # the spec only: holding the tensor would keep it alive
-            t = grad_inputs[i]
+            t = grads[i]
             cells[k][0] = None if t is None else (side._lookup(t), (
                 tensor_spec(t), t._is_view(), int(t.untyped_storage().nbytes())))
-    return hook
+
+    if pre:
+        return catch
+    return lambda grad_inputs, grad_outputs: catch(grad_inputs)
 
 
 def _spec(side: StepTracer, cell: list[Any]) -> tuple[int, Spec] | None:

@@ -1,10 +1,12 @@
 """Stamps a module called again and again on its own outputs with the same weights each time
 (an unrolled LSTM's step: issue 14, item 3). Its first call that takes inputs requiring grad is
 traced and read as the forward template; later calls with the same input specs whose inputs
-requiring grad are exactly the previous call's outputs run inside one autograd node each and
-emit that template. Their backward comes from a side run (``chain_side``) of two chained calls:
+requiring grad are the previous call's outputs, each once and in order, and inputs from outside
+the chain (an embedding's output per step, say) run inside one autograd node each and emit that
+template. Their backward comes from a side run (``chain_side``) of two chained calls:
 the first call's backward templates a middle call's, the second's the last call's (its outputs
-not read on get no gradient). The weights' gradients add up across calls: stamped nodes hand
+not read on get no gradient; an input read by two of its nodes, a GRU's state or a residual
+stream, gets their sum). The weights' gradients add up across calls: stamped nodes hand
 autograd none; the stamper writes the adds the template holds and the earliest stamped call,
 last to run backward, hands autograd the running sums, which the traced calls before it add
 onto as they would. Whatever the template did not foresee raises ``StampMismatch``.
@@ -66,7 +68,12 @@ class Chain:
     spec: Any = None
     out_spec: Any = None
     template: chain_side.ChainTemplate | None = None
+    links: list[int] | None = None  # per input requiring grad: the output it is, or -1
     stamps: list[_Call] = field(default_factory=list)
+    made: set[int] = field(default_factory=set)  # chained calls' outputs (values)
+    fed: set[tuple[int, int]] = field(default_factory=set)  # the autograd edges its calls'
+    # inputs requiring grad hand gradients to (the forward's graph holds their nodes: an id
+    # is not reused while it runs)
     last: _Call | None = None
     sums: list[int] = field(default_factory=list)  # running sum of each weight's gradient
     done: int = 0  # stamped backwards run
@@ -117,36 +124,29 @@ class ChainStamper:
             return self._traced(chain, original, both)
         ins = [v for v, t in zip(outer, tensors) if t.requires_grad]
         prev = chain.last
-        if key != chain.key or chain.forward is None or prev is None or ins != prev.outs:
+        grad_in = [t for t in tensors if t.requires_grad]
+        links = None if prev is None else _links(ins, prev.outs, chain.made)  # type: ignore[arg-type]
+        if not _fresh(chain, grad_in, links):
+            links = None
+        if key != chain.key or chain.forward is None or links is None \
+                or (chain.stamps and links != chain.links):
             if chain.stamps:
                 return self._traced(chain, original, both)
             # Not yet stamped: this call is the template of those after it.
             chain.params, chain.buffers = params, buffers
             return self._learn(chain, module, original, both, key, outer)  # type: ignore[arg-type]
-        if not chain.stamps and not self._foreseeable(chain, prev):
+        assert prev is not None
+        if not chain.stamps and not self._foreseeable(prev):
             return self._traced(chain, original, both)
+        chain.links = links
         return self._stamp(chain, module, original, flat, spec, outer, params)  # type: ignore[arg-type]
 
-    def _foreseeable(self, chain: Chain, first: _Call) -> bool:
+    def _foreseeable(self, first: _Call) -> bool:
         """Before the first stamp, what ``end_forward`` would refuse (a fallback: the step
         captured again) seen early, to leave the chain unstamped: the first call's outputs
-        read by ops outside the chain (``_outputs_private``), or a tensor from outside the
-        call, not a leaf, read by two of its nodes (its gradient the sum of theirs, which the
-        side run does not foresee: ``chain_side._edges``; a residual add, say)."""
-        tracer = self.tracer
+        read by ops outside the chain (``_outputs_private``)."""
         outs = set(first.outs)
-        if any(not outs.isdisjoint(op.inputs) for op in tracer.ops[first.end:]):
-            return False
-        if tracer._pending:
-            tracer._hook_pending_nodes()
-        assert chain.forward is not None
-        end = first.op0 + len(chain.forward.ops)
-        nodes = {id(node): node for node, index in tracer._node_refs
-                 if first.op0 <= index < end}
-        edges = [(id(nxt), nr) for node in nodes.values() for nxt, nr in node.next_functions
-                 if nxt is not None and id(nxt) not in nodes
-                 and nxt.name() != "torch::autograd::AccumulateGrad"]
-        return len(edges) == len(set(edges))
+        return all(outs.isdisjoint(op.inputs) for op in self.tracer.ops[first.end:])
 
     def _traced(self, chain: Chain, original: Any,
                 both: tuple[tuple[Any, ...], dict[str, Any]]) -> Any:
@@ -187,6 +187,7 @@ class ChainStamper:
         chain.spec, chain.out_spec = spec, out_spec
         outs = [v0 + forward.out, *(v0 + k for k in forward.more)]
         chain.first = chain.last = _Call(op0, v0, outer, outs, len(tracer.ops))
+        chain.made.update(outs)
         return out
 
     def _stamp(self, chain: Chain, module: torch.nn.Module, original: Any, flat: list[Any],
@@ -230,10 +231,12 @@ class ChainStamper:
             assert chain.forward is not None and chain.first is not None and chain.last
             read_after = {v for op in tracer.ops[chain.last.end:] for v in op.inputs}
             used = [j for j, v in enumerate(chain.last.outs) if v in read_after]
+            viewed = [j for j in used if _first_reader(tracer, chain.last, j) in _RESHAPES]
             try:
+                assert chain.links is not None
                 chain.template = chain_side.side_run(tracer, chain.module, chain.forward, chain.args,
                                                      chain.spec, chain.params, chain.buffers,
-                                                     used)
+                                                     used, chain.links, viewed)
             except Ineligible as err:
                 raise StampMismatch(f"chain side run: {err}") from None
             self._outputs_private(chain)
@@ -309,7 +312,7 @@ class ChainUnit(torch.autograd.Function):
         codes = [fwd.out, *fwd.more]
         # The module's Python may take another path than its first call's (a counter, say):
         # the ops it ran must be the template's.
-        if ran != chain.targets:
+        if _no_clones(ran) != _no_clones(chain.targets):
             raise StampMismatch("a stamped chained call ran other ops than its first call")
         if tracer.frees != frees or out_spec != chain.out_spec or len(flat_out) != len(codes) \
                 or any(type(t) is not FakeTensor or tracer._lookup(t) is not None
@@ -321,6 +324,7 @@ class ChainUnit(torch.autograd.Function):
         call = _Call(op0, f0, outer, [f0 + c for c in codes], len(tracer.ops))
         chain.stamps.append(call)
         chain.last = call
+        chain.made.update(call.outs)
         ctx.set_materialize_grads(False)
         assert chain.held is not None
         args = [a for a in flat if isinstance(a, torch.Tensor)]
@@ -354,9 +358,52 @@ class ChainUnit(torch.autograd.Function):
         return (None,) * 7 + tuple(handed)
 
 
+_RESHAPES = frozenset(("aten.view.default", "aten._unsafe_view.default"))
+
+
+def _first_reader(tracer: StepTracer, last: _Call, j: int) -> str | None:
+    """The first op after the chain that reads the last call's output ``j``: a reshape hands
+    the call a gradient that is a view (a head's matmul, reshaped back)."""
+    v = last.outs[j]
+    return next((op.target for op in tracer.ops[last.end:] if v in op.inputs), None)
+
+
+def _no_clones(targets: list[str]) -> list[str]:
+    """Ops but clones: a stamped call runs without grad mode, where autograd does not clone
+    what an in-place op overwrites and its backward needs (a GRU cell's ``mul_``)."""
+    return [t for t in targets if t != "aten.clone.default"]
+
+
+def _links(ins: list[int], outs: list[int], made: set[int]) -> list[int] | None:
+    """Per input requiring grad of a call, the previous call's output it is (its index) or -1
+    (from outside the chain: no chained call's output); None unless it takes each output
+    once, in order."""
+    index = {v: j for j, v in enumerate(outs)}
+    links = [index.get(v, -1) for v in ins]
+    if [j for j in links if j >= 0] != list(range(len(outs))):
+        return None
+    if any(j < 0 and v in made for v, j in zip(ins, links)):
+        return None  # a gradient onto an earlier call's, which the template does not foresee
+    return links
+
+
+def _fresh(chain: Chain, grad_in: list[torch.Tensor], links: list[int] | None) -> bool:
+    """Whether each input from outside the chain (``links``) hands its gradient to an autograd
+    edge no call of the chain fed before (``x[t]`` each step: yes; one tensor every step: no,
+    its gradient a sum over the calls, which the template does not foresee; a leaf: no, the
+    same). Every input's edge is noted."""
+    edges = [(id(t.grad_fn), t.output_nr) for t in grad_in]
+    outside = [e for e, j in zip(edges, links or ()) if j < 0]
+    fresh = links is not None and len(set(outside)) == len(outside) and all(
+        e[0] != id(None) and e not in chain.fed for e in outside)
+    chain.fed.update(edges)
+    return fresh
+
+
 def _key(flat: list[Any], spec: Any, params: list[torch.Tensor]) -> Any:
-    """A call's arguments' structure and specs (the offset only of those requiring grad: a
-    slice of the input has a new offset each step), their aliasing, and grad mode/autocast."""
+    """A call's arguments' structure and specs (no offsets: a slice of the input, requiring
+    grad or not, has a new offset each step; the previous call's outputs have the template's),
+    their aliasing, and grad mode/autocast."""
     storages: dict[int, int] = {}
     leaves: list[Any] = []
     for a in flat:
@@ -365,8 +412,7 @@ def _key(flat: list[Any], spec: Any, params: list[torch.Tensor]) -> Any:
                 return None
             shared = storages.setdefault(a.untyped_storage()._cdata, len(storages))
             leaves.append((tuple(a.shape), a.stride(), a.dtype, a.device, a.requires_grad,
-                           a._is_view(), a.storage_offset() if a.requires_grad else None,
-                           shared))
+                           a._is_view(), shared))
         elif is_plain(a):
             leaves.append(("value", frozen_value(a)))
         else:
