@@ -370,3 +370,14 @@ def test_chains_left_unstamped_early_would_fall_back(case: str, monkeypatch: Any
     fast, stamped = _stamped_capture(make, monkeypatch)
     assert stamped is None
     assert fast.to_json() == capture_target(make(), fast=False).to_json()
+
+
+def test_the_op_check_sets_aside_only_clones_before_an_in_place_op() -> None:
+    """A chained call stamped runs without grad mode, so autograd's clone before an in-place
+    op whose backward needs the overwritten tensor (a GRU cell's ``mul_``) is missing from
+    it; any other clone still counts."""
+    ops = ["aten.addmm.default", "aten.clone.default", "aten.mul_.Tensor",
+           "aten.clone.default", "aten.add.Tensor", "aten.clone.default"]
+    assert stamp_chain._no_clones(ops) == [
+        "aten.addmm.default", "aten.mul_.Tensor", "aten.clone.default", "aten.add.Tensor",
+        "aten.clone.default"]

@@ -369,9 +369,15 @@ def _first_reader(tracer: StepTracer, last: _Call, j: int) -> str | None:
 
 
 def _no_clones(targets: list[str]) -> list[str]:
-    """Ops but clones: a stamped call runs without grad mode, where autograd does not clone
-    what an in-place op overwrites and its backward needs (a GRU cell's ``mul_``)."""
-    return [t for t in targets if t != "aten.clone.default"]
+    """Ops but a clone right before an in-place op: a stamped call runs without grad mode,
+    where autograd does not clone what an in-place op overwrites and its backward needs (a GRU
+    cell's ``mul_``); a module's own clone before one goes from both sides alike."""
+    def in_place(target: str) -> bool:  # "aten.mul_.Tensor"
+        parts = target.split(".")
+        return len(parts) > 1 and parts[1].endswith("_")
+
+    return [t for t, nxt in zip(targets, [*targets[1:], ""])
+            if not (t == "aten.clone.default" and in_place(nxt))]
 
 
 def _links(ins: list[int], outs: list[int], made: set[int]) -> list[int] | None:
