@@ -146,13 +146,14 @@ def _forward(main: StepTracer, side: StepTracer, module: torch.nn.Module,
                     or any(not isinstance(t, torch.Tensor) for t in outs):
                 raise Ineligible("the outputs are not the next call's inputs")
             calls.append(SideCall(op0, len(side.ops), v0, len(side.values), outer, outs))
-            outside = iter(fresh)
-            ins.append([outs[j] if j >= 0 else next(outside) for j in links])
+            if n == 0:
+                outside = iter(fresh)
+                ins.append([outs[j] if j >= 0 else next(outside) for j in links])
         used, viewed = read
         last = calls[1].outs
         loss = sum(((last[j].view(-1) if j in viewed else last[j]) * 2.0).sum() for j in used)
     side.end_forward()
-    return calls, ins[:2], loss
+    return calls, ins, loss
 
 
 def _same_forward(side: StepTracer, fwd: Forward, call: SideCall) -> None:
