@@ -14,7 +14,7 @@ from torch import nn
 
 from memplan.core.graph import Graph
 from memplan.models.lstm import LSTM
-from memplan.tracing import capture, stamp, stamp_chain
+from memplan.tracing import capture, chain_links, stamp, stamp_chain
 from memplan.tracing.capture import capture_target
 from memplan.tracing.step import Target, as_target
 from tests.small import small
@@ -378,6 +378,6 @@ def test_the_op_check_sets_aside_only_clones_before_an_in_place_op() -> None:
     it; any other clone still counts."""
     ops = ["aten.addmm.default", "aten.clone.default", "aten.mul_.Tensor",
            "aten.clone.default", "aten.add.Tensor", "aten.clone.default"]
-    assert stamp_chain._no_clones(ops) == [
+    assert chain_links.no_clones(ops) == [
         "aten.addmm.default", "aten.mul_.Tensor", "aten.clone.default", "aten.add.Tensor",
         "aten.clone.default"]

@@ -23,15 +23,12 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from memplan.tracing import chain_emit, chain_side
+from memplan.tracing import chain_emit, chain_links, chain_side
 from memplan.tracing.stamp_emit import emit_forward, vid
 from memplan.tracing.stamp_template import (
     Forward,
     Ineligible,
     StampMismatch,
-    autocast_key,
-    frozen_value,
-    is_plain,
     no_oracle_ops,
     read_forward,
 )
@@ -115,7 +112,7 @@ class ChainStamper:
             return original(*args, **kwargs)
         params = [sub._parameters[n] for sub, n in slots[0]]
         buffers = [sub._buffers[n] for sub, n in slots[1]]
-        key = _key(flat, spec, params)
+        key = chain_links.call_key(flat, spec, params)
         if key is None or any(p.grad is not None for p in params):
             return self._traced(chain, original, both)
         tracer = self.tracer
@@ -125,8 +122,9 @@ class ChainStamper:
         ins = [v for v, t in zip(outer, tensors) if t.requires_grad]
         prev = chain.last
         grad_in = [t for t in tensors if t.requires_grad]
-        links = None if prev is None else _links(ins, prev.outs, chain.made)  # type: ignore[arg-type]
-        if not _fresh(chain, grad_in, links):
+        links = None if prev is None else chain_links.links_of(
+            ins, prev.outs, chain.made)  # type: ignore[arg-type]
+        if not chain_links.fresh(chain.fed, grad_in, links):
             links = None
         if key != chain.key or chain.forward is None or links is None \
                 or (chain.stamps and links != chain.links):
@@ -231,7 +229,8 @@ class ChainStamper:
             assert chain.forward is not None and chain.first is not None and chain.last
             read_after = {v for op in tracer.ops[chain.last.end:] for v in op.inputs}
             used = [j for j, v in enumerate(chain.last.outs) if v in read_after]
-            viewed = [j for j in used if _first_reader(tracer, chain.last, j) in _RESHAPES]
+            after = tracer.ops[chain.last.end:]
+            viewed = [j for j in used if chain_links.reshaped(after, chain.last.outs[j])]
             try:
                 assert chain.links is not None
                 chain.template = chain_side.side_run(tracer, chain.module, chain.forward, chain.args,
@@ -312,7 +311,7 @@ class ChainUnit(torch.autograd.Function):
         codes = [fwd.out, *fwd.more]
         # The module's Python may take another path than its first call's (a counter, say):
         # the ops it ran must be the template's.
-        if _no_clones(ran) != _no_clones(chain.targets):
+        if chain_links.no_clones(ran) != chain_links.no_clones(chain.targets):
             raise StampMismatch("a stamped chained call ran other ops than its first call")
         if tracer.frees != frees or out_spec != chain.out_spec or len(flat_out) != len(codes) \
                 or any(type(t) is not FakeTensor or tracer._lookup(t) is not None
@@ -356,72 +355,3 @@ class ChainUnit(torch.autograd.Function):
         chain.sums = sums
         chain.done += 1
         return (None,) * 7 + tuple(handed)
-
-
-_RESHAPES = frozenset(("aten.view.default", "aten._unsafe_view.default"))
-
-
-def _first_reader(tracer: StepTracer, last: _Call, j: int) -> str | None:
-    """The first op after the chain that reads the last call's output ``j``: a reshape hands
-    the call a gradient that is a view (a head's matmul, reshaped back)."""
-    v = last.outs[j]
-    return next((op.target for op in tracer.ops[last.end:] if v in op.inputs), None)
-
-
-def _no_clones(targets: list[str]) -> list[str]:
-    """Ops but a clone right before an in-place op: a stamped call runs without grad mode,
-    where autograd does not clone what an in-place op overwrites and its backward needs (a GRU
-    cell's ``mul_``); a module's own clone before one goes from both sides alike."""
-    def in_place(target: str) -> bool:  # "aten.mul_.Tensor"
-        parts = target.split(".")
-        return len(parts) > 1 and parts[1].endswith("_")
-
-    return [t for t, nxt in zip(targets, [*targets[1:], ""])
-            if not (t == "aten.clone.default" and in_place(nxt))]
-
-
-def _links(ins: list[int], outs: list[int], made: set[int]) -> list[int] | None:
-    """Per input requiring grad of a call, the previous call's output it is (its index) or -1
-    (from outside the chain: no chained call's output); None unless it takes each output
-    once, in order."""
-    index = {v: j for j, v in enumerate(outs)}
-    links = [index.get(v, -1) for v in ins]
-    if [j for j in links if j >= 0] != list(range(len(outs))):
-        return None
-    if any(j < 0 and v in made for v, j in zip(ins, links)):
-        return None  # a gradient onto an earlier call's, which the template does not foresee
-    return links
-
-
-def _fresh(chain: Chain, grad_in: list[torch.Tensor], links: list[int] | None) -> bool:
-    """Whether each input from outside the chain (``links``) hands its gradient to an autograd
-    edge no call of the chain fed before (``x[t]`` each step: yes; one tensor every step: no,
-    its gradient a sum over the calls, which the template does not foresee; a leaf: no, the
-    same). Every input's edge is noted."""
-    edges = [(id(t.grad_fn), t.output_nr) for t in grad_in]
-    outside = [e for e, j in zip(edges, links or ()) if j < 0]
-    fresh = links is not None and len(set(outside)) == len(outside) and all(
-        e[0] != id(None) and e not in chain.fed for e in outside)
-    chain.fed.update(edges)
-    return fresh
-
-
-def _key(flat: list[Any], spec: Any, params: list[torch.Tensor]) -> Any:
-    """A call's arguments' structure and specs (no offsets: a slice of the input, requiring
-    grad or not, has a new offset each step; the previous call's outputs have the template's),
-    their aliasing, and grad mode/autocast."""
-    storages: dict[int, int] = {}
-    leaves: list[Any] = []
-    for a in flat:
-        if isinstance(a, torch.Tensor):
-            if type(a) is not FakeTensor:
-                return None
-            shared = storages.setdefault(a.untyped_storage()._cdata, len(storages))
-            leaves.append((tuple(a.shape), a.stride(), a.dtype, a.device, a.requires_grad,
-                           a._is_view(), shared))
-        elif is_plain(a):
-            leaves.append(("value", frozen_value(a)))
-        else:
-            return None
-    return (str(spec), tuple(leaves), autocast_key(),
-            tuple((p.shape, p.dtype, p.requires_grad) for p in params))

@@ -1,0 +1,82 @@
+"""How the calls of a chained module (``stamp_chain``) relate: the key two calls must share,
+which inputs of a call are the previous call's outputs (links) and which come from outside the
+chain, whether those hand their gradients to edges no earlier call fed, and what sets a stamped
+call's ops apart from its template's only by grad mode."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+
+from memplan.tracing.stamp_template import autocast_key, frozen_value, is_plain
+
+_RESHAPES = frozenset(("aten.view.default", "aten._unsafe_view.default"))
+
+
+def reshaped(ops: list[Any], out: int) -> bool:
+    """Whether the first of ``ops`` (those after the chain) to read the last call's output
+    ``out`` reshapes it: autograd then hands the call a gradient that is a view (a head's
+    matmul, reshaped back)."""
+    return next((op.target for op in ops if out in op.inputs), None) in _RESHAPES
+
+
+def no_clones(targets: list[str]) -> list[str]:
+    """Ops but a clone right before an in-place op: a stamped call runs without grad mode,
+    where autograd does not clone what an in-place op overwrites and its backward needs (a GRU
+    cell's ``mul_``); a module's own clone before one goes from both sides alike."""
+    def in_place(target: str) -> bool:  # "aten.mul_.Tensor"
+        parts = target.split(".")
+        return len(parts) > 1 and parts[1].endswith("_")
+
+    return [t for t, nxt in zip(targets, [*targets[1:], ""])
+            if not (t == "aten.clone.default" and in_place(nxt))]
+
+
+def links_of(ins: list[int], outs: list[int], made: set[int]) -> list[int] | None:
+    """Per input requiring grad of a call, the previous call's output it is (its index) or -1
+    (from outside the chain: no chained call's output); None unless it takes each output
+    once, in order."""
+    index = {v: j for j, v in enumerate(outs)}
+    links = [index.get(v, -1) for v in ins]
+    if [j for j in links if j >= 0] != list(range(len(outs))):
+        return None
+    if any(j < 0 and v in made for v, j in zip(ins, links)):
+        return None  # a gradient onto an earlier call's, which the template does not foresee
+    return links
+
+
+def fresh(fed: set[tuple[int, int]], grad_in: list[torch.Tensor],
+          links: list[int] | None) -> bool:
+    """Whether each input from outside the chain (``links``) hands its gradient to an autograd
+    edge no call of the chain fed before (``x[t]`` each step: yes; one tensor every step: no,
+    its gradient a sum over the calls, which the template does not foresee; a leaf: no, the
+    same). Every input's edge is noted in ``fed``, the edges the chain's calls fed so far."""
+    edges = [(id(t.grad_fn), t.output_nr) for t in grad_in]
+    outside = [e for e, j in zip(edges, links or ()) if j < 0]
+    new = links is not None and len(set(outside)) == len(outside) and all(
+        e[0] != id(None) and e not in fed for e in outside)
+    fed.update(edges)
+    return new
+
+
+def call_key(flat: list[Any], spec: Any, params: list[torch.Tensor]) -> Any:
+    """A call's arguments' structure and specs (no offsets: a slice of the input, requiring
+    grad or not, has a new offset each step; the previous call's outputs have the template's),
+    their aliasing, and grad mode/autocast."""
+    storages: dict[int, int] = {}
+    leaves: list[Any] = []
+    for a in flat:
+        if isinstance(a, torch.Tensor):
+            if type(a) is not FakeTensor:
+                return None
+            shared = storages.setdefault(a.untyped_storage()._cdata, len(storages))
+            leaves.append((tuple(a.shape), a.stride(), a.dtype, a.device, a.requires_grad,
+                           a._is_view(), shared))
+        elif is_plain(a):
+            leaves.append(("value", frozen_value(a)))
+        else:
+            return None
+    return (str(spec), tuple(leaves), autocast_key(),
+            tuple((p.shape, p.dtype, p.requires_grad) for p in params))
