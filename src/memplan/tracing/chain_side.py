@@ -219,7 +219,7 @@ def _edges(side: StepTracer, ops: tuple[int, int], targets: list[torch.Tensor]
     for k, t in enumerate(targets):
         if t.grad_fn is not None:
             where[(id(t.grad_fn), t.output_nr)] = k
-    readers: dict[int, list[tuple[Any, list[tuple[int, int]]]]] = {}
+    readers: dict[int, list[tuple[Any, int]]] = {}  # per target: (node, its edge index)
     seen: set[int] = set()
     for node, index in side._node_refs:
         if not ops[0] <= index < ops[1] or id(node) in seen:
@@ -227,12 +227,13 @@ def _edges(side: StepTracer, ops: tuple[int, int], targets: list[torch.Tensor]
         seen.add(id(node))
         for i, (nxt, nr) in enumerate(node.next_functions):
             if nxt is not None and (id(nxt), nr) in where:
-                readers.setdefault(where[(id(nxt), nr)], []).append((node, [(i, 0)]))
+                readers.setdefault(where[(id(nxt), nr)], []).append((node, i))
     cells: list[list[torch.Tensor | None]] = [[] for _ in targets]
     for k, nodes in sorted(readers.items()):
         cells[k].append(None)
         if len(nodes) == 1:
-            nodes[0][0].register_hook(_catch(side, [cells[k]], nodes[0][1]))
+            node, i = nodes[0]
+            node.register_hook(_catch(side, [cells[k]], [(i, 0)]))
         else:
             t = targets[k]
             assert t.grad_fn is not None  # ``where`` holds targets with a node only

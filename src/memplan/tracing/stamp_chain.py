@@ -227,9 +227,9 @@ class ChainStamper:
             if not chain.stamps:
                 continue
             assert chain.forward is not None and chain.first is not None and chain.last
-            read_after = {v for op in tracer.ops[chain.last.end:] for v in op.inputs}
-            used = [j for j, v in enumerate(chain.last.outs) if v in read_after]
             after = tracer.ops[chain.last.end:]
+            read_after = {v for op in after for v in op.inputs}
+            used = [j for j, v in enumerate(chain.last.outs) if v in read_after]
             viewed = [j for j in used if chain_links.reshaped(after, chain.last.outs[j])]
             try:
                 assert chain.links is not None
