@@ -1,0 +1,93 @@
+"""``FakeOpCache``'s meta-kernel first calls (``_META_FIRST``) make what FakeTensorMode's own
+dispatch makes (its Python decompositions), output for output, first call and cached calls,
+over the layouts and dtypes models feed them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from memplan.tracing.opcache import _META_FIRST, FakeOpCache
+
+A = torch.ops.aten
+LAYOUTS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "contiguous": lambda t: t,
+    "channels_last": lambda t: t.contiguous(memory_format=torch.channels_last)
+    if t.dim() == 4 else t,
+    # Dense in another order (a batch-last view; column-major for 2-d).
+    "transposed": lambda t: t.transpose(0, -1).contiguous().transpose(0, -1),
+    "sliced": lambda t: t[::2],  # not dense at all
+}
+SHAPES = [(6, 4, 5, 3), (6, 4, 7), (6, 4)]
+
+
+def _meta(out: Any) -> list[Any]:
+    outs = out if isinstance(out, tuple) else (out,)
+    return [None if t is None else (tuple(t.shape), t.stride(), t.dtype, t.device,
+                                     t.storage_offset(), t.untyped_storage().nbytes(),
+                                     t.requires_grad, type(t)) for t in outs]
+
+
+def _calls(shape: tuple[int, ...], layout: str, dtype: torch.dtype
+           ) -> list[tuple[Any, tuple[Any, ...]]]:
+    lay = LAYOUTS[layout]
+    c = shape[1]
+
+    def x() -> torch.Tensor:
+        return lay(torch.empty(shape, dtype=dtype))
+
+    w, b = torch.empty(c), torch.empty(c)
+    mean, var = torch.empty(c), torch.empty(c)
+    inp = x()
+    _, save_mean, save_invstd = A.native_batch_norm.default(inp, w, b, mean, var, True,
+                                                             0.1, 1e-5)
+    return [
+        (A.native_batch_norm.default, (inp, w, b, mean, var, True, 0.1, 1e-5)),
+        (A.native_batch_norm.default, (inp, None, None, None, None, True, 0.1, 1e-5)),
+        (A.native_batch_norm.default, (inp, w, b, mean, var, False, 0.1, 1e-5)),
+        (A.native_batch_norm_backward.default, (x(), inp, w, mean, var, save_mean,
+                                                save_invstd, True, 1e-5, [True, True, True])),
+        (A.native_batch_norm_backward.default, (x(), inp, w, mean, var, save_mean,
+                                                save_invstd, True, 1e-5, [True, False, False])),
+        (A.threshold_backward.default, (x(), inp, 0.0)),
+        (A.threshold_backward.default, (x().contiguous(), inp, 0)),
+    ]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("shape", SHAPES)
+def test_meta_first_calls_equal_the_fake_modes(shape: tuple[int, ...], layout: str,
+                                               dtype: torch.dtype) -> None:
+    fake = FakeTensorMode()
+    cache = FakeOpCache(fake)
+    with fake:
+        calls = _calls(shape, layout, dtype)
+    seen = set()
+    for func, args in calls:
+        assert func in _META_FIRST
+        seen.add(func)
+        with fake:
+            want = _meta(func(*args))
+        first = _meta(cache.call(func, args, {}))  # the meta kernel
+        again = _meta(cache.call(func, args, {}))  # made from the entry read off it
+        assert first == want, func
+        assert again == want, func
+    assert seen == set(_META_FIRST)
+
+
+def test_meta_first_calls_take_the_meta_kernel_then_the_entry() -> None:
+    fake = FakeTensorMode()
+    cache = FakeOpCache(fake)
+    with fake:
+        x, w = torch.empty(8, 3, 4, 4), torch.empty(3)
+    args = (x, w, w, w.clone(), w.clone(), True, 0.1, 1e-5)
+    before = FakeTensorMode.cache_info()
+    for _ in range(3):
+        cache.call(A.native_batch_norm.default, args, {})
+    after = FakeTensorMode.cache_info()
+    assert (after.hits, after.misses) == (before.hits, before.misses)  # fake mode untouched
