@@ -283,8 +283,8 @@ def _structure(m: torch.nn.Module, keys: dict[int, int], ids: dict[Any, int]) ->
     """What a module's forward may depend on besides its input (class, plain attributes such
     as stride, eps and training, other attributes by identity, parameters' and buffers' specs,
     children), numbered: equal numbers, equal structures. Fills ``keys`` for every module."""
-    attrs = tuple((k, frozen_value(v) if is_plain(v) else ("id", id(v)))
-                  for k, v in sorted(vars(m).items()) if not k.startswith("_"))
+    attrs = tuple(sorted((k, frozen_value(v) if is_plain(v) else ("id", id(v)))
+                         for k, v in vars(m).items() if k[:1] != "_"))  # keys unique: by key
     tensors = tuple((n, tuple(t.shape), t.dtype, t.requires_grad)
                     for n, t in (*m._parameters.items(), *m._buffers.items()) if t is not None)
     children = tuple((n, _structure(c, keys, ids)) for n, c in m._modules.items()
