@@ -32,15 +32,18 @@ from memplan.tracing import stamp_emit
 from memplan.tracing.stamp_chain import ChainStamper
 from memplan.tracing.stamp_check import foresaw
 from memplan.tracing.stamp_template import (
+    Backward,
     Ineligible,
     StampMismatch,
     Template,
     autocast_key,
+    empty_like_strided,
     frozen_value,
     is_plain,
     no_oracle_ops,
     read_forward,
     side_run,
+    tensor_spec,
 )
 from memplan.tracing.tracer import StepTracer
 
@@ -163,9 +166,53 @@ class Stamper:
         except Ineligible:
             return out
         template = self.templates[full] = Template(forward, backward)
+        template.rerun = self._rerun(module, forward, names, x, params, buffers)
         self.firsts.append((template, op0, v0, outer))  # type: ignore[arg-type]
         self._unread[full] = (len(tracer.ops), v0 + forward.out)
         return out
+
+    def _rerun(self, module: torch.nn.Module, forward: Any, names: tuple[list[str], list[str]],
+               x: torch.Tensor, params: list[torch.Tensor], buffers: list[torch.Tensor]
+               ) -> Callable[[tuple[int, ...]], Backward]:
+        """The unit's side run for another incoming gradient's strides, on stand-ins of its
+        first call's tensors (holding those would keep them alive past their deaths)."""
+        with self.tracer.paused():
+            like = [empty_like_strided(t).requires_grad_(t.requires_grad)
+                    for t in (x, *params, *buffers)]
+        k = 1 + len(params)
+
+        def rerun(incoming: tuple[int, ...]) -> Backward:
+            self._inside += 1  # units inside it run plainly, as in the first side run
+            try:
+                with torch.enable_grad():  # called from a backward
+                    return side_run(self.tracer, module, forward, names, like[0], like[1:k],
+                                    like[k:], incoming)
+            finally:
+                self._inside -= 1
+        return rerun
+
+    def backward_for(self, template: Template, grad: Any) -> Backward:
+        """The template's backward for this incoming gradient: its own, or where the gradient
+        comes laid out otherwise (dense, not a view), a side run's for that layout (once per
+        layout); a unit the side run cannot take falls back (``StampMismatch``)."""
+        bwd = template.backward
+        if not isinstance(grad, torch.Tensor) or tensor_spec(grad) == bwd.incoming_spec \
+                or template.rerun is None or grad._is_view() or grad.storage_offset() \
+                or not _dense(grad.shape, grad.stride()):
+            template.used[bwd.incoming_spec] = bwd
+            return bwd  # emit_backward's checks decide
+        spec = tensor_spec(grad)
+        if spec not in template.relaid:
+            try:
+                template.relaid[spec] = template.rerun(grad.stride())
+            except Ineligible:
+                template.relaid[spec] = None
+        relaid = template.relaid[spec]
+        if relaid is None or [c for c, _ in relaid.proxies] != [c for c, _ in bwd.proxies] \
+                or relaid.saved != bwd.saved:
+            raise StampMismatch("a side run for this incoming gradient's layout differs")
+        template.used[spec] = relaid
+        return relaid
 
     def _read_consumers(self, full: tuple[Any, ...], template: Template) -> Template | None:
         """Before the first stamp of a key: how the first call's output was consumed since.
@@ -204,13 +251,27 @@ class Stamper:
         if self.backward_done != self.stamped:
             raise StampMismatch(f"{self.stamped - self.backward_done} stamped backwards never ran")
         self.chains.finish()
-        used = {id(template) for template, *_ in self.instances}
+        # The first call's traced backward checks the one backward its stamped calls emitted
+        # (its side run's, or one for another incoming layout: then the first call met it too).
         for template, op0, f0, outer in self.firsts:
-            if id(template) in used and not foresaw(self.tracer, template, op0, f0, outer):
+            emitted = list(template.used.values())
+            if emitted and (len(emitted) > 1 or not foresaw(self.tracer, emitted[0], op0, f0,
+                                                            outer)):
                 raise StampMismatch(f"{template.forward.path}'s backward is not its side run's")
         # A weight used outside its unit too: autograd added the grads, after the template.
         if any(p.grad is None or self.tracer._lookup(p.grad) != vid for p, vid in self.handed):
             raise StampMismatch("a stamped unit's parameter got gradients from elsewhere too")
+
+
+def _dense(shape: Any, stride: Any) -> bool:
+    """Whether a tensor of these sizes and strides fills its storage once (a permutation of
+    a contiguous layout)."""
+    expected = 1
+    for size, step in sorted(zip(shape, stride), key=lambda d: d[1]):
+        if size != 1 and step != expected:
+            return False
+        expected *= size
+    return True
 
 
 def _units(root: torch.nn.Module) -> list[tuple[torch.nn.Module, int]]:

@@ -9,14 +9,13 @@ from __future__ import annotations
 from typing import Any
 
 from memplan.tracing.stamp_emit import vid
-from memplan.tracing.stamp_template import NEW, Template
+from memplan.tracing.stamp_template import NEW, Backward
 from memplan.tracing.tracer import StepTracer
 
 
-def foresaw(tracer: StepTracer, template: Template, op0: int, f0: int, outer: list[int]) -> bool:
+def foresaw(tracer: StepTracer, bwd: Backward, op0: int, f0: int, outer: list[int]) -> bool:
     """Whether the backward recorded for the first call at forward op ``op0`` (values from
-    ``f0``, outer values ``outer``) is ``template``'s, op for op, event for event."""
-    bwd = template.backward
+    ``f0``, outer values ``outer``) is ``bwd`` (a template's), op for op, event for event."""
     hit = matched(tracer, bwd.ops, bwd.events, op0, f0, outer)
     if hit is None:
         return False

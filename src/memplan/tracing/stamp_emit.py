@@ -20,7 +20,14 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from memplan.core import graph as g
 from memplan.tracing.opcache import fake_tensor
-from memplan.tracing.stamp_template import NEW, Forward, StampMismatch, Template, tensor_spec
+from memplan.tracing.stamp_template import (
+    NEW,
+    Backward,
+    Forward,
+    StampMismatch,
+    Template,
+    tensor_spec,
+)
 from memplan.tracing.tracer import StepTracer, _OpRec, _ValueRec
 
 if TYPE_CHECKING:
@@ -67,8 +74,9 @@ class Unit(torch.autograd.Function):
     def backward(ctx: Any, *grads: Any) -> Any:
         stamper, template, op0, f0, outer, proxies = ctx.state
         ctx.state = None
-        made = emit_backward(stamper.tracer, template, op0, f0, outer, grads[0], proxies,
-                             ctx.specs)
+        bwd = stamper.backward_for(template, grads[0])
+        made = emit_backward(stamper.tracer, bwd, op0, f0, outer, grads[0],
+                             _by_release(bwd, proxies), ctx.specs)
         stamper.backward_done += 1
         # Each parameter's grad must end as handed (nothing else adds to it): ``finish``.
         stamper.handed.extend((p, stamper.tracer._lookup(made[k + 1]))
@@ -78,12 +86,19 @@ class Unit(torch.autograd.Function):
 
 
 def _proxies(tracer: StepTracer, template: Template, x: torch.Tensor, out: torch.Tensor
-             ) -> dict[int, list[torch.Tensor]]:
-    """Save proxies of the unit's input and output, by the event their saver releases them."""
+             ) -> list[torch.Tensor]:
+    """Save proxies of the unit's input and output, in the order of the template's
+    ``proxies`` (their release events: those of the backward that runs)."""
+    return [tracer.pack(x if code == -1 else out) for code, _ in template.backward.proxies]
+
+
+def _by_release(bwd: Backward, proxies: list[torch.Tensor]) -> dict[int, list[torch.Tensor]]:
+    """The save proxies by the event ``bwd`` releases them (the caller keeps no reference:
+    each dies when ``emit_backward`` drops it)."""
     held: dict[int, list[torch.Tensor]] = {}
-    for code, release in template.backward.proxies:
-        t = x if code == -1 else out
-        held.setdefault(release, []).append(tracer.pack(t))
+    for (_, release), proxy in zip(bwd.proxies, proxies):
+        held.setdefault(release, []).append(proxy)
+    proxies.clear()
     return held
 
 
@@ -125,12 +140,11 @@ def emit_forward(tracer: StepTracer, fwd: Forward, path: str, outs: dict[int, to
         tracer.module_calls.append(g.ModuleCall(path + suffix, op0 + start, op0 + end, depth, leaf))
 
 
-def emit_backward(tracer: StepTracer, template: Template, op0: int, f0: int, outer: list[int],
+def emit_backward(tracer: StepTracer, bwd: Backward, op0: int, f0: int, outer: list[int],
                   grad: Any, proxies: dict[int, list[torch.Tensor]],
                   specs: list[tuple[torch.device, torch.dtype]]) -> dict[int, torch.Tensor]:
-    """The template's backward records for one call, starting after the current event;
+    """A template's backward records for one call, starting after the current event;
     returns the gradients to hand on, by position among (input, *params)."""
-    bwd = template.backward
     gvid = tracer._lookup(grad) if isinstance(grad, torch.Tensor) else None
     # The incoming gradient: autograd alone holds it (then it dies after the unit's first op,
     # as templated), or also another node's input buffer (add's backward hands one tensor to

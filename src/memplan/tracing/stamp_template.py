@@ -14,6 +14,7 @@ buffers (in ``named_parameters``/``named_buffers`` order), then the incoming gra
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,6 +77,11 @@ class Backward:
 class Template:
     forward: Forward
     backward: Backward
+    # A side run of the unit for another incoming gradient's strides (a stamped call whose
+    # output's consumers hand it, say, a transposed one): ``Stamper.backward_for``.
+    rerun: Callable[[tuple[int, ...]], Backward] | None = None
+    relaid: dict[tuple[Any, ...], Backward | None] = field(default_factory=dict)
+    used: dict[tuple[Any, ...], Backward] = field(default_factory=dict)  # by stamped calls
 
 
 def read_forward(tracer: StepTracer, path: str, op0: int, v0: int, c0: int,
@@ -147,8 +153,11 @@ def empty_like_strided(t: torch.Tensor) -> torch.Tensor:
 
 def side_run(main: StepTracer, module: torch.nn.Module, fwd: Forward,
              names: tuple[list[str], list[str]], x: torch.Tensor,
-             params: list[torch.Tensor], buffers: list[torch.Tensor]) -> Backward:
-    """The unit alone, forward and backward, on fresh fake copies under its own tracer."""
+             params: list[torch.Tensor], buffers: list[torch.Tensor],
+             incoming: tuple[int, ...] | None = None) -> Backward:
+    """The unit alone, forward and backward, on fresh fake copies under its own tracer.
+    ``incoming``: the strides its output's gradient is to come with (default: the output's
+    layout), made by the loss's op as autograd makes it (not a view, held by autograd alone)."""
     side = StepTracer(record=True, fake=main.fake)
     side._run = main._run  # the same fake-op cache
     with main.paused():
@@ -167,18 +176,24 @@ def side_run(main: StepTracer, module: torch.nn.Module, fwd: Forward,
         out = functional_call(module, state, (xs,))
         op1, v1 = len(side.ops), len(side.values)
         # How autograd reshapes the incoming gradient depends on its strides: recorded.
-        incoming: list[tuple[Any, ...]] = []
-        out.register_hook(lambda grad: incoming.append(tensor_spec(grad)))
-        loss = (out * 2.0).sum()
+        incoming_spec: list[tuple[Any, ...]] = []
+        out.register_hook(lambda grad: incoming_spec.append(tensor_spec(grad)))
+        if incoming is None:
+            loss = (out * 2.0).sum()
+        else:  # mul's backward lays the gradient out as its other operand
+            loss = (out * torch.empty_strided(out.shape, incoming, dtype=out.dtype,
+                                              device=out.device)).sum()
     side.end_forward()
     _same_forward(side, fwd, (op0, op1), (v0, v1), outer, out)
     with main.paused(), side:
         loss.backward()
     grads = [x_leaf.grad] + [p.grad for p in p2]
     bwd = _read_backward(side, op0, op1, v0, v1, outer, grads, fwd.out)
-    if len(incoming) != 1:
+    if len(incoming_spec) != 1:
         raise Ineligible("the output's gradient did not come once")
-    bwd.incoming_spec = incoming[0]
+    if incoming is not None and incoming_spec[0][1] != incoming:
+        raise Ineligible("the side run's incoming gradient is not laid out as asked")
+    bwd.incoming_spec = incoming_spec[0]
     dead = {c for deaths in (bwd.deaths, fwd.deaths) for codes in deaths.values() for c in codes}
     if any(k not in dead and k != fwd.out for k in range(v1 - v0)) \
             or any(release < 0 for _, release in bwd.proxies):
