@@ -280,14 +280,19 @@ def _albert() -> Target:
                      lambda out: out.logits.float().mean())
 
 
-def _transposed_grad() -> Target:
-    """``ResidualMLP`` under a loss that hands its output a transposed gradient (a product
-    with a transposed tensor lays it out so, not a view); each layer's add hands it on to
-    the stamped MLP as is. Its first call and its stamped calls meet that layout, which the
-    template's side run then takes: stamped, not a fallback."""
-    torch.manual_seed(0)
-    mix = torch.randn(2, 8, 64).transpose(1, 2)
-    return as_target(ResidualMLP(), (torch.randn(2, 4, 8, 8),), lambda out: (out * mix).sum())
+def _transposed_grad(model: Callable[[], nn.Module]) -> Callable[[], Target]:
+    """``model`` under a loss that hands its output a transposed gradient (a product with a
+    transposed tensor lays it out so, not a view). ``ResidualMLP``: each layer's add hands it
+    on to the stamped MLP as is; its first call and its stamped calls meet that layout, which
+    the template's side run then takes: stamped, not a fallback. ``MLPStack``: only the last
+    MLP meets it, the others a contiguous one (the next linear's): the stamped calls emit two
+    backwards, and the first call's traced backward vouches for one at most: the capture
+    falls back."""
+    def make() -> Target:
+        torch.manual_seed(0)
+        mix = torch.randn(2, 8, 64).transpose(1, 2)
+        return as_target(model(), (torch.randn(2, 4, 8, 8),), lambda out: (out * mix).sum())
+    return make
 
 
 def _tied() -> Target:
@@ -314,7 +319,8 @@ CASES: dict[str, tuple[Callable[[], Target], int | None]] = {
     "parallel": (_user(Parallel), 1),
     "weight_reused": (_user(WeightReused), None),
     "residual_mlp": (_user(ResidualMLP), 2),
-    "transposed_grad": (_transposed_grad, 2),
+    "transposed_grad": (_transposed_grad(ResidualMLP), 2),
+    "transposed_grad_last": (_transposed_grad(MLPStack), None),
     "mlp_stack": (_user(MLPStack), 2),
     # An LSTM's steps: the first traced (no state requiring grad), the second the template.
     "lstm": (lambda: as_target(small("lstm", steps=6), (), None), 4),
