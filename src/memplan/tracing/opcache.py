@@ -89,7 +89,7 @@ class FakeOpCache:
         hit = self._entries.get(key)
         found = None if hit is None or hit[0] is not func else hit[1]
         if found is None and func in _META_FIRST and not kwargs and _META_FIRST[func](args):
-            out, entry = self._meta_first(func, args, kwargs)
+            out, entry = self._meta_first(func, args)
             self._entries[key] = (func, entry)
             return out
         if found is None or found is _SEEN:
@@ -104,16 +104,15 @@ class FakeOpCache:
             return tuple(self._output(r, args) for r in recipes)
         return self._output(recipes[0], args)
 
-    def _meta_first(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-                    ) -> tuple[Any, Any]:
-        """(output, entry) of a ``_META_FIRST`` op: run as the fake mode runs an op on its
-        meta kernel (plain fake tensors of one device, as ``_key`` let through), the entry
-        read off the outputs (fresh tensors: these ops alias nothing)."""
-        flat: list[Any] = [a for a in tree_leaves((args, kwargs)) if isinstance(a, FakeTensor)]
+    def _meta_first(self, func: Any, args: tuple[Any, ...]) -> tuple[Any, Any]:
+        """(output, entry) of a ``_META_FIRST`` op, called without keywords: run as the fake
+        mode runs an op on its meta kernel (plain fake tensors of one device, as ``_key`` let
+        through), the entry read off the outputs (fresh tensors: these ops alias nothing)."""
+        flat: list[Any] = [a for a in tree_leaves(args) if isinstance(a, FakeTensor)]
         if len({a.fake_device for a in flat}) != 1:
-            return func(*args, **kwargs), _SEEN
+            return func(*args), _SEEN
         with in_kernel_invocation_manager(self.fake):
-            raw = func(*args, **kwargs)
+            raw = func(*args)
         no_device: Any = None  # as the fake mode passes it: these ops take no device argument
         out = self.fake.wrap_meta_outputs_with_default_device_logic(raw, func, flat, no_device)
         outs = out if isinstance(out, tuple) else (out,)

@@ -165,8 +165,8 @@ class Stamper:
             backward = side_run(tracer, module, forward, names, x, params, buffers)
         except Ineligible:
             return out
-        template = self.templates[full] = Template(forward, backward)
-        template.rerun = self._rerun(module, forward, names, x, params, buffers)
+        template = self.templates[full] = Template(
+            forward, backward, self._rerun(module, forward, names, x, params, buffers))
         self.firsts.append((template, op0, v0, outer))  # type: ignore[arg-type]
         self._unread[full] = (len(tracer.ops), v0 + forward.out)
         return out
@@ -197,8 +197,7 @@ class Stamper:
         layout); a unit the side run cannot take falls back (``StampMismatch``)."""
         bwd = template.backward
         if not isinstance(grad, torch.Tensor) or tensor_spec(grad) == bwd.incoming_spec \
-                or template.rerun is None or grad._is_view() or grad.storage_offset() \
-                or not _dense(grad.shape, grad.stride()):
+                or grad._is_view() or grad.storage_offset() or not _dense(grad.shape, grad.stride()):
             template.used[bwd.incoming_spec] = bwd
             return bwd  # emit_backward's checks decide
         spec = tensor_spec(grad)

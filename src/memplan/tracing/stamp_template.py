@@ -79,7 +79,7 @@ class Template:
     backward: Backward
     # A side run of the unit for another incoming gradient's strides (a stamped call whose
     # output's consumers hand it, say, a transposed one): ``Stamper.backward_for``.
-    rerun: Callable[[tuple[int, ...]], Backward] | None = None
+    rerun: Callable[[tuple[int, ...]], Backward]
     relaid: dict[tuple[Any, ...], Backward | None] = field(default_factory=dict)
     used: dict[tuple[Any, ...], Backward] = field(default_factory=dict)  # by stamped calls
 
