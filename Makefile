@@ -7,6 +7,8 @@ TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.memplan-installed
 THREADS ?= 1
+# Test processes (pytest-xdist): two, the cores of the CI machine; each runs THREADS threads.
+JOBS ?= 2
 
 .PHONY: install demo test typecheck lint clean
 
@@ -23,7 +25,7 @@ demo: install
 	$(BIN)/memplan demo
 
 test: install
-	OMP_NUM_THREADS=$(THREADS) MEMPLAN_TEST_THREADS=$(THREADS) $(BIN)/python -m pytest tests
+	OMP_NUM_THREADS=$(THREADS) MEMPLAN_TEST_THREADS=$(THREADS) $(BIN)/python -m pytest -n $(JOBS) tests
 
 typecheck: install
 	$(BIN)/python -m mypy --strict src/memplan

@@ -112,7 +112,8 @@ def test_ilp_least_peak_and_budget_too_small_on_unet() -> None:
     g = unet_graph()
     least = PLANNERS["ilp"](g, None)
     assert least.peak_bytes < PLANNERS["optimal"](g, None).peak_bytes
-    assert any(n.startswith("MILP (HiGHS, regions nested <= 2 deep)") for n in least.notes)
+    assert any(n.startswith("the least peak: the 'optimal' dynamic program's least-peak plan")
+               for n in least.notes)
     with pytest.raises(BudgetTooSmall) as err:
         PLANNERS["ilp"](g, least.peak_bytes - 1)
     assert err.value.least_peak_bytes == least.peak_bytes
