@@ -250,6 +250,31 @@ def test_a_probing_search_returns_the_unpruned_schedule(extra: int,
     assert found.schedule(0, c.n - 1, 0, free) == full.schedule(0, c.n - 1, 0, free)
 
 
+def test_least_peak_schedules_are_remembered_by_content(monkeypatch: pytest.MonkeyPatch
+                                                        ) -> None:
+    """A refused budget asks for the least peak of the same chain up to three times: the
+    search runs once per content (table, tolerance, drop-cheap), whichever Chain object asks."""
+    searches: list[int] = []
+    search = O.search
+
+    def spy(shape: O._Shape, free: int, upper: int | None = None) -> O._Program | None:
+        searches.append(free)
+        return search(shape, free, upper)
+
+    monkeypatch.setattr(O, "search", spy)
+    monkeypatch.setattr(O, "_least_peaks", {})
+    first = O.least_peak_schedule(uniform_chain(40))
+    again = O.least_peak_schedule(uniform_chain(40))  # an equal chain, another object
+    assert again == first and len(searches) == 1
+    assert O.least_peak_schedule(uniform_chain(40), allow_drop_cheap=False) is not first
+    assert O.least_peak_schedule(uniform_chain(41)) != first and len(searches) == 3
+    monkeypatch.setattr(O, "_least_peaks", {})
+    assert O.least_peak_schedule(uniform_chain(40)) == first  # as computed afresh
+    for k in range(O.LEAST_PEAK_CACHED + 2):  # bounded: the oldest go
+        O.least_peak_schedule(uniform_chain(5 + k))
+    assert len(O._least_peaks) == O.LEAST_PEAK_CACHED
+
+
 @pytest.mark.parametrize("extra", [3, 40, 400])
 def test_chain_longer_than_the_coarse_one_stays_exact(extra: int) -> None:
     """150 stages: the search starts from the 100-group plan's cost (optimal.upper_cost) and

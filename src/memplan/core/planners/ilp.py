@@ -229,9 +229,9 @@ def _least_peak_of_dp(graph: ChainLike, out: _Out, dp: Plan, drop_cheap: bool,
            "the plain peak above the least peak of any schedule, every nesting depth: a MILP "
            "cannot go below it by more), not searched again by MILP")
     if clean is not None and _key(clean, None) < _key(dp, None):
-        return dataclasses.replace(clean, planner="ilp", params=out.params, notes=(
-            *out.notes, f"{why}; on the clean chain ({len(clean.stages)} stages) it is lower "
-            "and returned"))
+        note = f"{why}; on the clean chain ({len(clean.stages)} stages) it is lower and returned"
+        return dataclasses.replace(clean, planner="ilp", params=out.params,
+                                   notes=(*out.notes, note))
     return out.wrap(dp.schedule, why)
 
 

@@ -17,6 +17,7 @@ against the plan; with ``max_stages``, stages are first merged into groups (``co
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,6 +43,8 @@ COARSE_STAGES = 100  # the plan whose cost starts the exact search (``upper_cost
 LEAST_PEAK_TOLERANCE = 1024  # without a budget: the least peak to 1/1024 of the plain one
 PROBE_TOP = 32  # a probe's top-level slack, in multiples of its bodies' (``search``)
 MAX_NESTING = 100  # deeper plans recompute stages 100+ times; chain._run etc. recurse per level
+LEAST_PEAK_CACHED = 8  # least-peak schedules remembered (``least_peak_schedule``)
+_least_peaks: dict[bytes, tuple[Item, ...]] = {}
 
 
 def stage_table(c: Chain, cost: I64 | None = None, slot: int = 1) -> I64:
@@ -262,11 +265,21 @@ def least_peak_schedule(c: Chain, slots: int | None = None, cost: I64 | None = N
     point); a hair above, a few levels do for a small fraction of the cost."""
     plain = int(simulate(c, plain_schedule(c))[0]) - c.base_bytes
     slot = max(1, -(-plain // slots)) if slots else 1
-    shape = _Shape.of(stage_table(c, cost, slot), allow_drop_cheap)
-    need = least_need(shape) + plain // slot // LEAST_PEAK_TOLERANCE
-    prog = search(shape, need)
-    assert prog is not None  # above the least need
-    return prog.schedule(0, c.n - 1, 0, need)
+    st = stage_table(c, cost, slot)
+    # The schedule depends on the table and these alone. A refused budget asks for it up to
+    # three times (the budget's search, ``fit.least``, ilp's least peak on the same chain):
+    # seconds each on a long chain, so the last few are remembered.
+    key = hashlib.blake2b(np.ascontiguousarray(st).tobytes() + b"%d,%d,%d" % (
+        st.shape[1], plain // slot, allow_drop_cheap), digest_size=20).digest()
+    if key not in _least_peaks:
+        shape = _Shape.of(st, allow_drop_cheap)
+        need = least_need(shape) + plain // slot // LEAST_PEAK_TOLERANCE
+        prog = search(shape, need)
+        assert prog is not None  # above the least need
+        while len(_least_peaks) >= LEAST_PEAK_CACHED:
+            del _least_peaks[next(iter(_least_peaks))]
+        _least_peaks[key] = prog.schedule(0, c.n - 1, 0, need)
+    return _least_peaks[key]
 
 
 def nesting(items: tuple[Item, ...]) -> int:
