@@ -3,6 +3,7 @@ a U-Net (long skips: most cut points are not clean) it beats the chain DP on the
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import os
@@ -17,7 +18,7 @@ from memplan.core import chain as C
 from memplan.core import liveness as L
 from memplan.core import schedule as S
 from memplan.core.graph import Graph
-from memplan.core.planners import PLANNERS
+from memplan.core.planners import PLANNERS, ilp
 from memplan.core.planners import optimal as O
 from memplan.core.planners.ilp import ilp_chain, plan_ilp, solve_milp
 from memplan.errors import BudgetTooSmall
@@ -117,6 +118,23 @@ def test_ilp_least_peak_and_budget_too_small_on_unet() -> None:
     with pytest.raises(BudgetTooSmall) as err:
         PLANNERS["ilp"](g, least.peak_bytes - 1)
     assert err.value.least_peak_bytes == least.peak_bytes
+
+
+def test_ilp_least_peak_is_the_dp_s_or_the_clean_chain_s_when_lower(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a budget no MILP runs: the DP's least-peak plan on ilp's chain, or on the clean
+    chain where that one is lower (the chain through every cut counts skips twice)."""
+    g = unet_graph()
+    monkeypatch.setattr(ilp, "solve_milp", None)  # calling it would raise
+    on_all = PLANNERS["ilp"](g, None)
+    clean = PLANNERS["optimal"](g, None)
+    assert clean.peak_bytes > on_all.peak_bytes and len(clean.stages) < len(on_all.stages)
+    lower = dataclasses.replace(clean, peak_bytes=on_all.peak_bytes - 1)
+    monkeypatch.setattr(ilp, "_clean_dp", lambda *args: lower)
+    took = PLANNERS["ilp"](g, None)
+    assert took.planner == "ilp" and took.schedule == clean.schedule
+    assert took.notes[-1].endswith(
+        f"on the clean chain ({len(clean.stages)} stages) it is lower and returned")
 
 
 def test_ilp_bad_arguments() -> None:
