@@ -18,6 +18,7 @@ against the plan; with ``max_stages``, stages are first merged into groups (``co
 from __future__ import annotations
 
 import hashlib
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -45,6 +46,7 @@ PROBE_TOP = 32  # a probe's top-level slack, in multiples of its bodies' (``sear
 MAX_NESTING = 100  # deeper plans recompute stages 100+ times; chain._run etc. recurse per level
 LEAST_PEAK_CACHED = 8  # least-peak schedules remembered (``least_peak_schedule``)
 _least_peaks: dict[bytes, tuple[Item, ...]] = {}
+_least_peaks_lock = threading.Lock()  # planning may run in threads: evictions must not race
 
 
 def stage_table(c: Chain, cost: I64 | None = None, slot: int = 1) -> I64:
@@ -271,15 +273,19 @@ def least_peak_schedule(c: Chain, slots: int | None = None, cost: I64 | None = N
     # seconds each on a long chain, so the last few are remembered.
     key = hashlib.blake2b(np.ascontiguousarray(st).tobytes() + b"%d,%d,%d" % (
         st.shape[1], plain // slot, allow_drop_cheap), digest_size=20).digest()
-    if key not in _least_peaks:
-        shape = _Shape.of(st, allow_drop_cheap)
-        need = least_need(shape) + plain // slot // LEAST_PEAK_TOLERANCE
-        prog = search(shape, need)
-        assert prog is not None  # above the least need
+    known = _least_peaks.get(key)
+    if known is not None:
+        return known
+    shape = _Shape.of(st, allow_drop_cheap)
+    need = least_need(shape) + plain // slot // LEAST_PEAK_TOLERANCE
+    prog = search(shape, need)
+    assert prog is not None  # above the least need
+    found = prog.schedule(0, c.n - 1, 0, need)
+    with _least_peaks_lock:
         while len(_least_peaks) >= LEAST_PEAK_CACHED:
             del _least_peaks[next(iter(_least_peaks))]
-        _least_peaks[key] = prog.schedule(0, c.n - 1, 0, need)
-    return _least_peaks[key]
+        _least_peaks[key] = found
+    return found
 
 
 def nesting(items: tuple[Item, ...]) -> int:
