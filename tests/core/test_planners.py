@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Iterator
 
@@ -248,6 +249,33 @@ def test_a_probing_search_returns_the_unpruned_schedule(extra: int,
     assert found is not None
     assert found.point(0, c.n - 1, 0, free) == full.point(0, c.n - 1, 0, free)
     assert found.schedule(0, c.n - 1, 0, free) == full.schedule(0, c.n - 1, 0, free)
+
+
+def _runs(items: tuple[S.Item, ...]) -> int:
+    """Stage runs of a schedule, replays included."""
+    return sum(it.end - it.start + 1 + _runs(it.body) if isinstance(it, S.Region) else 1
+               for it in items)
+
+
+@pytest.mark.parametrize("extra", [0, 30, 300])
+def test_costs_in_units_stay_within_half_a_unit_per_run(extra: int) -> None:
+    """plan_optimal counts costs in units of 2**-COST_BITS of the forward pass: on a chain
+    whose drop-cheap costs round to nothing, its plan costs at most half a unit per stage run
+    (its own and the exact optimum's) more than the exact optimum, and says so."""
+    base = uniform_chain(60)
+    c = dataclasses.replace(base, f=base.f * 10**6, step_flops=base.step_flops * 10**6,
+                            fcheap=np.minimum(base.fcheap, 3))
+    cost, unit = O.cost_units(c, None)
+    assert cost is not None and unit > 1 and not np.rint(c.fcheap / unit).any()
+    free = O.least_need(O._Shape.of(O.stage_table(c), True)) + extra * 10
+    exact, best = O.solve(c, free)  # FLOPs, exact
+    assert best is not None
+    plan = O.plan_optimal(c, c.base_bytes + free)
+    flops = S.simulate(c, plan.schedule)[1]
+    assert exact <= flops <= exact + (_runs(plan.schedule) + _runs(best)) * unit // 2
+    assert any(n.startswith(f"costs counted in units of {unit:,} FLOPs") for n in plan.notes)
+    small = O.cost_units(uniform_chain(60), None)  # costs summing to < 2**19: exact
+    assert small == (None, 1)
 
 
 def test_least_peak_schedules_are_remembered_by_content(monkeypatch: pytest.MonkeyPatch
