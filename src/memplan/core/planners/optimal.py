@@ -252,15 +252,17 @@ def solve(c: Chain, avail_bytes: int, slots: int | None = None, slot_bytes: int 
 
 def cost_units(c: Chain, cost: I64 | None) -> tuple[I64 | None, int]:
     """Per-stage costs (default FLOPs) in units of 1/2**COST_BITS of their sum, rounded, and
-    the unit; (cost, 1) where the sum is below 2**(COST_BITS + 1). Why: drop-cheap's own
+    the unit; (cost, 1) where the sum is below 2**(COST_BITS + 1) or the chain is short. Why: drop-cheap's own
     recomputation can be far below a stage's (an LSTM step's: 0.07 %), and counted exactly it
     splits every level of a top-level frontier into one point per number of drop-cheap stages
     (LSTM T=1024 at 3 GB: 1.08 M points, 2.4 s; in these units, where it rounds to 0: 0.7 s,
     the same plan cost to 3 decimals). A plan's true cost is then within half a unit per stage
-    it runs of the exact optimum's, which also runs each of its stages at most that often."""
+    it runs of the exact optimum's, which also runs each of its stages at most that often.
+    Chains of at most ``COARSE_STAGES`` stages plan fast exactly: counted exactly (ilp's MILP
+    checks its plans against theirs on such chains, exact ties included)."""
     f = c.f if cost is None else cost
     unit = max(1, int(f.sum()) >> COST_BITS)
-    if unit == 1:
+    if unit == 1 or c.n <= COARSE_STAGES:
         return cost, 1
     return np.rint(f / unit).astype(np.int64), unit
 
