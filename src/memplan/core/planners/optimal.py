@@ -321,8 +321,8 @@ def plan_optimal(graph: ChainLike, budget_bytes: int | None = None,
                  drop_cheap: bool = True, stage_time_s: list[float] | None = None) -> Plan:
     """Least recomputation (FLOPs, or measured time with ``stage_time_s``) under the budget;
     without a budget, the least peak (to 1/1024 of the plain peak: ``least_peak_schedule``)
-    and the least recomputation at it (costs in units of 2**-18 of the forward pass:
-    ``cost_units``). Every stage, exact to the byte by default;
+    and the least recomputation at it (on chains over ``COARSE_STAGES`` stages, costs in
+    units of 2**-18 of the forward pass: ``cost_units``). Every stage, exact to the byte by default;
     ``max_stages`` merges stages into that many groups first and ``slots`` counts memory in
     that many slots of the budget (both faster, coarser). A budget whose cheapest plan nests
     regions deeper than ``MAX_NESTING`` (a hair above the least peak) is refused as too small:
