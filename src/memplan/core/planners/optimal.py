@@ -252,11 +252,11 @@ def solve(c: Chain, avail_bytes: int, slots: int | None = None, slot_bytes: int 
 
 def cost_units(c: Chain, cost: I64 | None) -> tuple[I64 | None, int]:
     """Per-stage costs (default FLOPs) in units of 1/2**COST_BITS of their sum, rounded, and
-    the unit; (cost, 1) where the sum is below 2**(COST_BITS + 1) or the chain is short. Why: drop-cheap's own
-    recomputation can be far below a stage's (an LSTM step's: 0.07 %), and counted exactly it
-    splits every level of a top-level frontier into one point per number of drop-cheap stages
-    (LSTM T=1024 at 3 GB: 1.08 M points, 2.4 s; in these units, where it rounds to 0: 0.7 s,
-    the same plan cost to 3 decimals). A plan's true cost is then within half a unit per stage
+    the unit; (cost, 1) where the sum is below 2**(COST_BITS + 1) or the chain is short.
+    Why: drop-cheap's own recomputation can be far below a stage's (an LSTM step's: 0.07 %),
+    and counted exactly it splits every level of a top-level frontier into one point per
+    number of drop-cheap stages (LSTM T=1024 at 3 GB: 1.08 M points, 2.4 s; in these units,
+    where it rounds to 0: 0.7 s, the same plan cost to 3 decimals). A plan's true cost is then within half a unit per stage
     it runs of the exact optimum's, which also runs each of its stages at most that often.
     Chains of at most ``COARSE_STAGES`` stages plan fast exactly: counted exactly (ilp's MILP
     checks its plans against theirs on such chains, exact ties included)."""
@@ -322,8 +322,8 @@ def plan_optimal(graph: ChainLike, budget_bytes: int | None = None,
     """Least recomputation (FLOPs, or measured time with ``stage_time_s``) under the budget;
     without a budget, the least peak (to 1/1024 of the plain peak: ``least_peak_schedule``)
     and the least recomputation at it (on chains over ``COARSE_STAGES`` stages, costs in
-    units of 2**-18 of the forward pass: ``cost_units``). Every stage, exact to the byte by default;
-    ``max_stages`` merges stages into that many groups first and ``slots`` counts memory in
+    units of 2**-18 of the forward pass: ``cost_units``). Every stage, exact to the byte by
+    default; ``max_stages`` merges stages into that many groups first and ``slots`` counts memory in
     that many slots of the budget (both faster, coarser). A budget whose cheapest plan nests
     regions deeper than ``MAX_NESTING`` (a hair above the least peak) is refused as too small:
     the least-peak plan's peak is what it asks for."""
