@@ -260,8 +260,8 @@ def _runs(items: tuple[S.Item, ...]) -> int:
 @pytest.mark.parametrize("extra", [0, 30, 300])
 def test_costs_in_units_stay_within_half_a_unit_per_run(extra: int) -> None:
     """plan_optimal counts costs of long chains in units of 2**-COST_BITS of the forward pass:
-    on a chain whose drop-cheap costs round to nothing, its plan costs at most half a unit per stage run
-    (its own and the exact optimum's) more than the exact optimum, and says so."""
+    on a chain whose drop-cheap costs round to nothing, its plan costs at most half a unit per
+    stage run (its own and the exact optimum's) more than the exact optimum, and says so."""
     def scaled(base: C.Chain) -> C.Chain:  # FLOPs of a real model, drop-cheap's tiny
         return dataclasses.replace(base, f=base.f * 10**6, step_flops=base.step_flops * 10**6,
                                    fcheap=np.minimum(base.fcheap, 3))

@@ -197,7 +197,8 @@ class Stamper:
         layout); a unit the side run cannot take falls back (``StampMismatch``)."""
         bwd = template.backward
         if not isinstance(grad, torch.Tensor) or tensor_spec(grad) == bwd.incoming_spec \
-                or grad._is_view() or grad.storage_offset() or not _dense(grad.shape, grad.stride()):
+                or grad._is_view() or grad.storage_offset() \
+                or not _dense(grad.shape, grad.stride()):
             template.used[bwd.incoming_spec] = bwd
             return bwd  # emit_backward's checks decide
         spec = tensor_spec(grad)

@@ -119,9 +119,10 @@ def plan_ilp(graph: ChainLike, budget_bytes: int | None = None,
     dynamic program's least-peak plan on that chain (``_least_peak_of_dp``). The 'optimal'
     dynamic program is exact on the same chain (every nesting depth): the MILP can only match
     it, so it runs on chains of at most ``max_stages`` stages (as a check; the DP's plan wins
-    ties) and ``plan.notes`` say which plan is returned and why. Deterministic: HiGHS stops at ``node_limit`` nodes. With
-    ``time_limit_s`` (seconds of wall clock, none by default) a search it stops is not used
-    and the notes say so: the notes, not the schedule, then depend on the machine."""
+    ties) and ``plan.notes`` say which plan is returned and why. Deterministic: HiGHS stops
+    at ``node_limit`` nodes. With ``time_limit_s`` (seconds of wall clock, none by default) a
+    search it stops is not used and the notes say so: the notes, not the schedule, then depend
+    on the machine."""
     max_depth, max_stages, node_limit = _checked(max_depth, max_stages, node_limit,
                                                  time_limit_s)
     chain = ilp_chain(graph, cuts, max_stages)

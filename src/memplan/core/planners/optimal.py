@@ -256,8 +256,9 @@ def cost_units(c: Chain, cost: I64 | None) -> tuple[I64 | None, int]:
     Why: drop-cheap's own recomputation can be far below a stage's (an LSTM step's: 0.07 %),
     and counted exactly it splits every level of a top-level frontier into one point per
     number of drop-cheap stages (LSTM T=1024 at 3 GB: 1.08 M points, 2.4 s; in these units,
-    where it rounds to 0: 0.7 s, the same plan cost to 3 decimals). A plan's true cost is then within half a unit per stage
-    it runs of the exact optimum's, which also runs each of its stages at most that often.
+    where it rounds to 0: 0.7 s, the same plan cost to 3 decimals). A plan's true cost is
+    then within half a unit per stage it runs of the exact optimum's, which also runs each of
+    its stages at most that often.
     Chains of at most ``COARSE_STAGES`` stages plan fast exactly: counted exactly (ilp's MILP
     checks its plans against theirs on such chains, exact ties included)."""
     f = c.f if cost is None else cost
@@ -323,10 +324,10 @@ def plan_optimal(graph: ChainLike, budget_bytes: int | None = None,
     without a budget, the least peak (to 1/1024 of the plain peak: ``least_peak_schedule``)
     and the least recomputation at it (on chains over ``COARSE_STAGES`` stages, costs in
     units of 2**-18 of the forward pass: ``cost_units``). Every stage, exact to the byte by
-    default; ``max_stages`` merges stages into that many groups first and ``slots`` counts memory in
-    that many slots of the budget (both faster, coarser). A budget whose cheapest plan nests
-    regions deeper than ``MAX_NESTING`` (a hair above the least peak) is refused as too small:
-    the least-peak plan's peak is what it asks for."""
+    default; ``max_stages`` merges stages into that many groups first and ``slots`` counts
+    memory in that many slots of the budget (both faster, coarser). A budget whose cheapest
+    plan nests regions deeper than ``MAX_NESTING`` (a hair above the least peak) is refused
+    as too small: the least-peak plan's peak is what it asks for."""
     chain = as_chain(graph)
     if max_stages is not None:
         max_stages = int_param("max_stages", max_stages, 2, "Use e.g. max_stages=100, or None.")
