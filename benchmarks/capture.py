@@ -1,5 +1,6 @@
-"""Capture time (issue 14, item 3): ``memplan.capture`` of the paper's ResNet-1000 (batch 32)
-and LSTM (T=1024, T=2048), and of loops users write around torch's modules (``user_loops``:
+"""Capture time (issue 14, item 3): ``memplan.capture`` of the paper's ResNet-1000 (batch 32;
+as a Workload, built on the meta device inside capture, and ``resnet1000-user``: built with
+real weights first, as a user builds it) and LSTM (T=1024, T=2048), and of loops users write around torch's modules (``user_loops``:
 ``emb-lstm1024``, ``emb-gru1024``, ``universal48``), wall and process CPU seconds, each run in
 a fresh process (the fake mode's cache is process-wide), 1 thread, interleaved with the
 reference path (every op through the fake mode, ``--reference``), medians; the load average
@@ -29,6 +30,9 @@ from typing import Any
 
 MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "resnet1000": ("resnet", {"depth": 1000, "batch": 32}),
+    # The same network built as a user builds it (real weights, before the timer) and passed
+    # as ``capture(model, x, loss_fn=...)``: its parameters are made fake, not built fake.
+    "resnet1000-user": ("real:resnet", {"depth": 1000, "batch": 32}),
     "lstm256": ("lstm", {"steps": 256}),
     "lstm1024": ("lstm", {"steps": 1024}),
     "lstm2048": ("lstm", {"steps": 2048}),
@@ -41,6 +45,7 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
 WARMUP: dict[str, dict[str, Any]] = {
     "resnet": {"depth": 14, "batch": 2, "image": 32, "classes": 10},
     "lstm": {"steps": 4, "batch": 2, "hidden": 32, "input": 8, "classes": 10},
+    "real:resnet": {"depth": 14, "batch": 2, "image": 32, "classes": 10},
     "user:emb-lstmcell": {"steps": 3}, "user:emb-grucell": {"steps": 3},
     "user:universal": {"steps": 3},
 }
@@ -53,6 +58,10 @@ def build(params):
     if {name!r}.startswith("user:"):
         import user_loops
         return user_loops.build({name!r}[5:], **params)
+    if {name!r}.startswith("real:"):
+        w = memplan.models.get({name!r}[5:], **params)
+        x, y = w.build_inputs()
+        return w.build_model().net, (x,), lambda out: torch.nn.functional.cross_entropy(out, y)
     return memplan.models.get({name!r}, **params), (), None
 def capture(w):
     if {fast!r}:

@@ -81,11 +81,38 @@ def _hf_mixtral() -> Target:
     return as_target(_hf_moe("mixtral"), (ids,), lambda out: out.logits.float().mean())
 
 
+class ParamAliases(torch.nn.Module):
+    """Meets its parameters and buffers outside ``named_parameters`` too: a tied weight, one
+    held in a list, a view of one kept as a plain attribute, a buffer in a list."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, 8)
+        self.lin = torch.nn.Linear(8, 8)
+        self.head = torch.nn.Linear(8, 10, bias=False)
+        self.head.weight = self.emb.weight
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, 8))
+        self.held = [self.lin.weight, self.scale]
+        self.lin_t = self.lin.weight.t()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids) * self.held[1]
+        h = self.lin(h) + h @ self.lin_t + h @ self.held[0]
+        out: torch.Tensor = self.head(h)
+        return out
+
+
+def _param_aliases() -> Target:
+    torch.manual_seed(0)
+    ids = torch.randint(0, 10, (3, 5), generator=torch.Generator().manual_seed(0))
+    return as_target(ParamAliases(), (ids,), lambda out: out.square().mean())
+
+
 CASES: dict[str, Callable[[], Target]] = {
     "resnet": _workload("resnet"), "lstm": _workload("lstm"), "gpt": _workload("gpt"),
     "closure": _closure, "data_dependent": _data_dependent, "moe_loop": _moe_loop,
     "inplace_views": _inplace_views, "unet": _unet, "hf_llama": _hf_llama,
-    "hf_mixtral": _hf_mixtral,
+    "hf_mixtral": _hf_mixtral, "param_aliases": _param_aliases,
 }
 
 

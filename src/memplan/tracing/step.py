@@ -174,7 +174,7 @@ def _run_step(target: Target, oracle: Oracle | None, record: bool, device: str |
     kept = target.user_model if simulate else None  # its Python attributes: restored after
     with (kept_python_state(kept) if kept is not None else contextlib.nullcontext()), \
             no_cyclic_gc(), _fake_mode(simulate) as fake:
-        step = _prepare(target, fake, meta_model, device)
+        step = _prepare(target, fake, meta_model, device, fast)
         cache = FakeOpCache(fake) if fake is not None and fast else None
         tracer = StepTracer(record=record, fake=fake, oracle=oracle, cache=cache)
         for p in step.params.values():
@@ -219,7 +219,7 @@ def _run_step(target: Target, oracle: Oracle | None, record: bool, device: str |
 
 
 def _prepare(target: Target, fake: FakeTensorMode | None, meta_model: nn.Module | None,
-             device: str | None) -> _Step:
+             device: str | None, fast: bool) -> _Step:
     if fake is not None and meta_model is not None and target.workload is not None:
         on = torch.device(device or "cpu")
         with torch.device(on):
@@ -230,7 +230,7 @@ def _prepare(target: Target, fake: FakeTensorMode | None, meta_model: nn.Module 
     if fake is None:
         return _Step(model, dict(model.named_parameters()), dict(model.named_buffers()),
                      inputs, model)
-    params, buffers = fake_state(fake, model)  # fake copies of the user's model and inputs
+    params, buffers = fake_state(fake, model, fast)  # fake copies of the model and inputs
     return _Step(model, params, buffers, fake_args(fake, inputs), fake_call(model, params, buffers))
 
 
