@@ -83,7 +83,8 @@ def _hf_mixtral() -> Target:
 
 class ParamAliases(torch.nn.Module):
     """Meets its parameters and buffers outside ``named_parameters`` too: a tied weight, one
-    held in a list, a view of one kept as a plain attribute, a buffer in a list."""
+    held in a list, a view of one kept as a plain attribute, a buffer in a list; and two
+    parameters over one storage."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -94,10 +95,12 @@ class ParamAliases(torch.nn.Module):
         self.register_buffer("scale", torch.linspace(0.5, 1.5, 8))
         self.held = [self.lin.weight, self.scale]
         self.lin_t = self.lin.weight.t()
+        shared = torch.randn(8, 8)
+        self.left, self.right = torch.nn.Parameter(shared), torch.nn.Parameter(shared)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         h = self.emb(ids) * self.held[1]
-        h = self.lin(h) + h @ self.lin_t + h @ self.held[0]
+        h = self.lin(h) + h @ self.lin_t + h @ self.held[0] + (h @ self.left) @ self.right
         out: torch.Tensor = self.head(h)
         return out
 

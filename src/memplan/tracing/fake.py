@@ -14,11 +14,11 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.func import functional_call
 
 from memplan.errors import PlanMismatch
@@ -96,14 +96,17 @@ def fake_copy(fake: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
     if known is not None or not _plain(t):
         return known if known is not None else fake.from_tensor(t)
     storage = t.untyped_storage()
+    meta = converter.meta_converter
+    storage_id = meta.describer.get_storage_id(storage)
+    if storage_id in meta.storage_memo:
+        return fake.from_tensor(t)  # a storage another tensor holds: torch's way shares it
     with unset_fake_temporarily():
         elem = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
     if elem.untyped_storage().nbytes() != storage.nbytes():
         return fake.from_tensor(t)  # a storage larger than the tensor: torch's way keeps it
     out = fake_tensor(fake, elem, t.device, requires_grad=t.requires_grad)
-    converter.set_tensor_memo(t, out)
-    meta = converter.meta_converter
-    meta.storage_memo[meta.describer.get_storage_id(storage)] = out.untyped_storage()
+    converter.set_tensor_memo(t, cast(FakeTensor, out))
+    meta.storage_memo[storage_id] = out.untyped_storage()
     return out
 
 
