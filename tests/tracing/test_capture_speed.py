@@ -83,8 +83,8 @@ def _hf_mixtral() -> Target:
 
 class ParamAliases(torch.nn.Module):
     """Meets its parameters and buffers outside ``named_parameters`` too: a tied weight, one
-    held in a list, a view of one kept as a plain attribute, a buffer in a list; and two
-    parameters over one storage."""
+    held in a list, a view of one kept as a plain attribute, a buffer in a list; two
+    parameters over one storage; and asks whether a weight is a Parameter."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -100,6 +100,8 @@ class ParamAliases(torch.nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         h = self.emb(ids) * self.held[1]
+        if isinstance(self.lin.weight, torch.nn.Parameter):  # true of torch's fake copies too
+            h = h * 2
         h = self.lin(h) + h @ self.lin_t + h @ self.held[0] + (h @ self.left) @ self.right
         out: torch.Tensor = self.head(h)
         return out

@@ -105,14 +105,18 @@ def fake_copy(fake: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
     if elem.untyped_storage().nbytes() != storage.nbytes():
         return fake.from_tensor(t)  # a storage larger than the tensor: torch's way keeps it
     out = fake_tensor(fake, elem, t.device, requires_grad=t.requires_grad)
+    if type(t) is nn.Parameter:
+        out._is_param = True  # as torch marks it: isinstance(out, Parameter) holds
     converter.set_tensor_memo(t, cast(FakeTensor, out))
     meta.storage_memo[storage_id] = out.untyped_storage()
     return out
 
 
 def _plain(t: torch.Tensor) -> bool:
-    return (type(t) in (torch.Tensor, nn.Parameter) and t._base is None and t.is_leaf
-            and t.layout == torch.strided and t.storage_offset() == 0 and t.device.type != "meta"
+    """No Python attributes (torch forwards some), no view, no special layout or flags."""
+    return (type(t) in (torch.Tensor, nn.Parameter) and not t.__dict__ and t._base is None
+            and t.is_leaf and t.layout == torch.strided and t.storage_offset() == 0
+            and t.device.type != "meta"
             and not (t.is_quantized or t.is_nested or t.is_conj() or t.is_neg()
                      or t.is_inference() or torch._C._functorch.is_functorch_wrapped_tensor(t)))
 
