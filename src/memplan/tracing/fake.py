@@ -87,8 +87,8 @@ def _from_tensor(fake: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
 
 def fake_copy(fake: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
     """``fake.from_tensor(t)`` for a plain tensor (dense, its storage's own, not a view),
-    made directly: torch describes and rebuilds each tensor in Python, 1.2 s of a user's
-    ResNet-1000 capture (3,000 parameters and buffers). Remembered where ``from_tensor``
+    made directly: torch describes and rebuilds each tensor in Python, over a second of a
+    user's ResNet-1000 capture (3,000 parameters and buffers). Remembered where ``from_tensor``
     looks, tensor and storage, so a forward that meets ``t`` or a view of it outside the
     model's parameters (a plain attribute, a list) gets this copy, as it would have."""
     converter = fake.fake_tensor_converter
