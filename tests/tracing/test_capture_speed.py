@@ -1,8 +1,8 @@
 """The fast capture path (FakeTensorMode's cache entries found by a cheaper key, Workloads built
-on the meta device, a user's parameters made fake directly) makes the same Graph as the reference path (every op through the fake
-mode), field by field, on models with repeated structure, closures, data-dependent ops,
-in-place views and HF layers; and it does skip the fake mode's dispatch. Timings live in
-benchmarks/capture.py, not here."""
+on the meta device, a user's parameters made fake directly) makes the same Graph as the
+reference path (every op through the fake mode), field by field, on models with repeated
+structure, closures, data-dependent ops, in-place views, parameter aliases and HF layers; and
+it does skip the fake mode's dispatch. Timings live in benchmarks/capture.py, not here."""
 
 from __future__ import annotations
 
