@@ -93,8 +93,10 @@ def fake_copy(fake: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
     model's parameters (a plain attribute, a list) gets this copy, as it would have."""
     converter = fake.fake_tensor_converter
     known = converter._get_memo(t)
-    if known is not None or not _plain(t):
-        return known if known is not None else fake.from_tensor(t)
+    if known is not None:
+        return known
+    if not _plain(t):
+        return fake.from_tensor(t)
     storage = t.untyped_storage()
     meta = converter.meta_converter
     storage_id = meta.describer.get_storage_id(storage)
