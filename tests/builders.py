@@ -136,6 +136,34 @@ class FunctionalMLP(nn.Module):
         return x
 
 
+class CellLoop(nn.Module):
+    """The paper's LSTM as users write it, small: a loop over ``nn.LSTMCell`` layers with a
+    per-step loss, no module per step (its cuts are leaf-call ends and op boundaries)."""
+
+    def __init__(self, layers: int = 2, width: int = 8, classes: int = 5) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.cells = nn.ModuleList(nn.LSTMCell(width, width) for _ in range(layers))
+        self.out = nn.Linear(width, classes)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        zeros = x.new_zeros(x.shape[1], x.shape[2])
+        state = [(zeros, zeros) for _ in self.cells]
+        loss = x.new_zeros(())
+        for t in range(x.shape[0]):
+            h = x[t]
+            for i, cell in enumerate(self.cells):
+                state[i] = cell(h, state[i])
+                h = state[i][0]
+            loss = loss + F.cross_entropy(self.out(h), y[t], reduction="sum")
+        return loss
+
+
+def cell_loop_inputs(steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    torch.manual_seed(1)
+    return torch.randn(steps, 3, 8), torch.randint(0, 5, (steps, 3))
+
+
 def mlp_input() -> torch.Tensor:
     torch.manual_seed(1)
     return torch.randn(64, 32)

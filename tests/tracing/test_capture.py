@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -8,6 +9,7 @@ from torch import nn
 
 import memplan
 from memplan.core.graph import ACTIVATION, PARAMETER, Graph
+from tests.builders import CellLoop, cell_loop_inputs
 from tests.small import small
 
 
@@ -88,6 +90,35 @@ def test_lstm_step_boundaries_are_cuts() -> None:
     for cut in steps[:-1]:  # (h, c) of 4 layers + the running loss (a 0-d float)
         assert cut.live_bytes == 4 * 2 * hidden_state_bytes + 4
     assert steps[-1].live_bytes == 4  # after the last step only the summed loss goes on
+
+
+def test_a_loop_over_cells_gets_a_cut_per_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A loop over nn.LSTMCell has no call per step to cut after: its cuts are fine cuts.
+    Up to ``MAX_FINE`` of them all are kept; fewer are spread evenly, one per run of equal
+    saved bytes: with as many as steps, one per step, at the same place in every step (the
+    old rule, at most 32 per gap, left a 1024-step LSTM 32-step stages)."""
+    from memplan.core import liveness
+
+    steps = 48
+    graph = memplan.capture(CellLoop(), *cell_loop_inputs(steps), loss_fn=lambda out: out)
+    starts = [c.start for c in graph.module_calls if c.path == "out"]
+    step_ops = starts[1] - starts[0]
+    first_cell = min(c.start for c in graph.module_calls if c.path == "cells.0")
+
+    def cuts(most: int) -> list[int]:
+        monkeypatch.setattr(liveness, "MAX_FINE", most)
+        found = liveness.cut_points(graph.values, graph.ops, graph.module_calls, graph.outputs)
+        return [c.after for c in found]
+
+    assert [c.after for c in graph.cut_points] == cuts(1024)
+    for most, every in ((48, 1), (16, 3)):
+        found = cuts(most)
+        assert len(found) == most + 1  # and the forward's end
+        assert found[0] >= first_cell  # not before anything is saved (an empty stage)
+        # (the first and the last step's cut: at their narrowest point, not the step's end)
+        inner = found[1:-2]
+        assert {b - a for a, b in itertools.pairwise(inner)} == {every * step_ops}
+    assert set(cuts(48)) <= set(cuts(1024))
 
 
 def test_capture_user_model_with_loss_fn() -> None:
