@@ -136,7 +136,7 @@ class FunctionalMLP(nn.Module):
         return x
 
 
-class CellLoop(nn.Module):
+class StackedCellLoop(nn.Module):
     """The paper's LSTM as users write it, small: a loop over ``nn.LSTMCell`` layers with a
     per-step loss, no module per step (its cuts are leaf-call ends and op boundaries)."""
 

@@ -9,7 +9,7 @@ from torch import nn
 
 import memplan
 from memplan.core.graph import ACTIVATION, PARAMETER, Graph
-from tests.builders import CellLoop, cell_loop_inputs
+from tests.builders import StackedCellLoop, cell_loop_inputs
 from tests.small import small
 
 
@@ -100,7 +100,7 @@ def test_a_loop_over_cells_gets_a_cut_per_step(monkeypatch: pytest.MonkeyPatch) 
     from memplan.core import liveness
 
     steps = 48
-    graph = memplan.capture(CellLoop(), *cell_loop_inputs(steps), loss_fn=lambda out: out)
+    graph = memplan.capture(StackedCellLoop(), *cell_loop_inputs(steps), loss_fn=lambda out: out)
     starts = [c.start for c in graph.module_calls if c.path == "out"]
     step_ops = starts[1] - starts[0]
     first_cell = min(c.start for c in graph.module_calls if c.path == "cells.0")
