@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import memplan
+from tests.builders import StackedCellLoop, cell_loop_inputs
 from tests.zoo import Built, torch_zoo
 from tests.zoo.check import (
     NoPlanUnderBudget,
@@ -178,6 +179,24 @@ def test_measured_peak_within_the_prediction(build: Any) -> None:
     oneDNN workspace the CPU kernel keeps, so the prediction holds, but one call of it cannot
     be cut)."""
     planned_step_holds(build)
+
+
+def _stacked_cell_loop(seed: int) -> Built:
+    torch.manual_seed(seed)
+    return StackedCellLoop(), cell_loop_inputs(48), lambda out: out
+
+
+@pytest.mark.parametrize("most", [None, 16])
+def test_loop_over_cells_cut_at_op_boundaries_holds(
+        most: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A loop over two nn.LSTMCell layers, 48 steps, no module per step: its stages end at
+    leaf-call ends and op boundaries (all of them, or 16 spread over the loop: one per three
+    steps, at each run's narrowest op boundary). The planned step holds."""
+    from memplan.core import liveness
+
+    if most is not None:
+        monkeypatch.setattr(liveness, "MAX_FINE", most)
+    planned_step_holds(_stacked_cell_loop)
 
 
 class SharedTable(nn.Module):
