@@ -28,8 +28,10 @@ def reference_resident(graph: g.Graph) -> tuple[set[int], list[set[int]], dict[i
     cuts = graph.cut_points
 
     def held_long(v: int, a: int, b: int) -> bool:  # two call cuts at the outermost depth
-        depths = [c.depth for c in cuts[a:b + 1] if c.kind == g.CALL]  # crossed, or died at
-        death = graph.values[v].death_unsaved
+        death = graph.values[v].death_unsaved  # (op cuts too, held to the forward's last op)
+        to_end = death is None or death == 0 or death >= len(graph.ops) - 1
+        depths = [c.depth for c in cuts[a:b + 1]  # crossed, or died at
+                  if c.kind == g.CALL or (c.kind == g.OP and to_end)]
         died_at = [c.depth for c in cuts[b + 1:b + 2]
                    if c.kind == g.CALL and c.after == (len(graph.ops) if death is None else death)]
         return len(depths) > 0 and sum(d == min(depths + died_at) for d in depths) >= 2
