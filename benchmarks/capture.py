@@ -1,8 +1,9 @@
 """Capture time (issue 14, item 3): ``memplan.capture`` of the paper's ResNet-1000 (batch 32;
 as a Workload, built on the meta device inside capture, and ``resnet1000-user``: built with
 real weights first, as a user builds it) and LSTM (T=1024, T=2048), and of loops users write
-around torch's modules (``user_loops``: ``emb-lstm1024``, ``emb-gru1024``, ``universal48``),
-wall and process CPU seconds, each run in a fresh process (the fake mode's cache is
+around torch's modules (``user_loops``: ``emb-lstm1024``, ``emb-gru1024``, ``universal48``,
+``cells-lstm1024``: the issue's own LSTM build), wall and process CPU seconds, each run in a
+fresh process (the fake mode's cache is
 process-wide), 1 thread, interleaved with the reference path (every op through the fake mode,
 ``--reference``), medians; the load average beside each figure. Both paths must give the same
 graph fingerprint. ``--src`` times other source trees too, interleaved (e.g. a worktree of an
@@ -41,6 +42,8 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "emb-lstm1024": ("user:emb-lstmcell", {"steps": 1024}),
     "emb-gru1024": ("user:emb-grucell", {"steps": 1024}),
     "universal48": ("user:universal", {"steps": 48}),
+    # The paper's LSTM as issue 14 built it: a loop over nn.LSTMCell (68,611 ops at T=1024).
+    "cells-lstm1024": ("user:paper-lstmcell", {"steps": 1024}),
 }
 # --warm: a model of the same family, captured first in the process (tests/small.py's configs).
 WARMUP: dict[str, dict[str, Any]] = {
@@ -48,7 +51,7 @@ WARMUP: dict[str, dict[str, Any]] = {
     "lstm": {"steps": 4, "batch": 2, "hidden": 32, "input": 8, "classes": 10},
     "real:resnet": {"depth": 14, "batch": 2, "image": 32, "classes": 10},
     "user:emb-lstmcell": {"steps": 3}, "user:emb-grucell": {"steps": 3},
-    "user:universal": {"steps": 3},
+    "user:universal": {"steps": 3}, "user:paper-lstmcell": {"steps": 3},
 }
 
 _RUN = """
