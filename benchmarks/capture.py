@@ -3,12 +3,11 @@ as a Workload, built on the meta device inside capture, and ``resnet1000-user``:
 real weights first, as a user builds it) and LSTM (T=1024, T=2048), and of loops users write
 around torch's modules (``user_loops``: ``emb-lstm1024``, ``emb-gru1024``, ``universal48``,
 ``cells-lstm1024``: the issue's own LSTM build), wall and process CPU seconds, each run in a
-fresh process (the fake mode's cache is
-process-wide), 1 thread, interleaved with the reference path (every op through the fake mode,
-``--reference``), medians; the load average beside each figure. Both paths must give the same
-graph fingerprint. ``--src`` times other source trees too, interleaved (e.g. a worktree of an
-older commit: ``--src src,/work/wt/old/src``; the fast path only, through the public
-``memplan.capture``, which every layout has).
+fresh process (the fake mode's cache is process-wide), 1 thread, interleaved with the reference
+path (every op through the fake mode, ``--reference``), medians; the load average beside each
+figure. Both paths must give the same graph fingerprint. ``--src`` times other source trees
+too, interleaved (e.g. a worktree of an older commit: ``--src src,/work/wt/old/src``; the fast
+path only, through the public ``memplan.capture``, which every layout has).
 
 ``--warm`` also times each capture in a process that has already paid torch's one-time costs:
 ``FakeTensorMode()`` imports ``torch._dynamo`` (about 1.9 s CPU here), and the fake mode's first
