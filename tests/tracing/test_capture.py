@@ -121,6 +121,29 @@ def test_a_loop_over_cells_gets_a_cut_per_step(monkeypatch: pytest.MonkeyPatch) 
     assert set(cuts(48)) <= set(cuts(1024))
 
 
+def test_fine_cuts_of_mixed_stages_are_fewer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Many fine cuts plan fast only where their stages repeat (the planner solves identical
+    ones once). A flat nn.Sequential of blocks of one width keeps a cut per block; of
+    varying widths, its cuts are halved down to ``MAX_FINE_MIXED``."""
+    from memplan.core import liveness
+
+    monkeypatch.setattr(liveness, "MAX_FINE", 32)
+    monkeypatch.setattr(liveness, "MAX_FINE_MIXED", 8)
+    torch.manual_seed(0)
+    x = torch.randn(16, 8)
+    widths = [8, 24, 16, 40, 8, 32, 24, 16, 48, 8, 16, 40, 24, 8, 32, 16, 8]
+    mixed = nn.Sequential(*[m for a, b in itertools.pairwise(widths)
+                            for m in (nn.Linear(a, b), nn.LayerNorm(b), nn.GELU())])
+    same = nn.Sequential(*[m for _ in range(16) for m in (nn.Linear(8, 8), nn.LayerNorm(8),
+                                                          nn.GELU())])
+    def fine_cuts(model: nn.Module) -> list[str]:
+        graph = memplan.capture(model, x, loss_fn=lambda out: out.square().mean())
+        return [c.module for c in graph.cut_points if c.kind != "call"]
+
+    assert len(fine_cuts(same)) == 15  # one per block; the last block's: the forward's end
+    assert 0 < len(fine_cuts(mixed)) <= 8
+
+
 def test_a_loops_initial_state_is_counted_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """The loop's initial state, one zeros tensor in a local variable of forward, is held to
     the forward's end across every step's op-boundary cut: resident, counted once, not in
