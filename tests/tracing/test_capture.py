@@ -129,6 +129,7 @@ def test_fine_cuts_of_mixed_stages_are_fewer(monkeypatch: pytest.MonkeyPatch) ->
 
     monkeypatch.setattr(liveness, "MAX_FINE", 32)
     monkeypatch.setattr(liveness, "MAX_FINE_MIXED", 8)
+    monkeypatch.setattr(liveness, "MIN_FINE", 4)
     torch.manual_seed(0)
     x = torch.randn(16, 8)
     widths = [8, 24, 16, 40, 8, 32, 24, 16, 48, 8, 16, 40, 24, 8, 32, 16, 8]

@@ -132,16 +132,17 @@ def fine_cuts(values: tuple[g.Value, ...], ops: tuple[g.Op, ...],
 # unless most chosen stages are of one kind (a loop's steps), at most MAX_FINE_MIXED.
 MAX_FINE = 1024
 MAX_FINE_MIXED = 128
+MIN_FINE = 32  # per gap, whatever its share: the old rule (T5's gaps had fewer by share)
 
 
 def _spread(found: list[g.CutPoint], saved_in: list[int], lo: int, hi: int,
             forward_saved: int) -> list[g.CutPoint]:
     """At most the gap's share of ``MAX_FINE`` (by saved bytes) of its fine cuts, halved
     until most of their stages are of one kind (``_commonest``) or they are at most its
-    share of ``MAX_FINE_MIXED``."""
+    share of ``MAX_FINE_MIXED`` (``MIN_FINE`` at least)."""
     total = sum(saved_in[lo : hi + 1])
     most = max(1, MAX_FINE * total // forward_saved)
-    mixed = max(1, MAX_FINE_MIXED * total // forward_saved)
+    mixed = max(MIN_FINE, MAX_FINE_MIXED * total // forward_saved)
     weight = [0]
     prev = lo
     for c in found:
