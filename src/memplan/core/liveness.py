@@ -132,7 +132,7 @@ def fine_cuts(values: tuple[g.Value, ...], ops: tuple[g.Op, ...],
 # unless most chosen stages are of one kind (a loop's steps), at most MAX_FINE_MIXED.
 MAX_FINE = 1024
 MAX_FINE_MIXED = 128
-MIN_FINE = 32  # per gap, whatever its share: the old rule (T5's gaps had fewer by share)
+MIN_FINE = 32  # per gap, whatever its share: never fewer than the old rule
 
 
 def _spread(found: list[g.CutPoint], saved_in: list[int], lo: int, hi: int,
