@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import memplan
-from memplan.core.graph import ACTIVATION, PARAMETER, Graph
+from memplan.core.graph import ACTIVATION, CALL, PARAMETER, Graph
 from tests.builders import StackedCellLoop, cell_loop_inputs
 from tests.small import small
 
@@ -137,9 +137,10 @@ def test_fine_cuts_of_mixed_stages_are_fewer(monkeypatch: pytest.MonkeyPatch) ->
                             for m in (nn.Linear(a, b), nn.LayerNorm(b), nn.GELU())])
     same = nn.Sequential(*[m for _ in range(16) for m in (nn.Linear(8, 8), nn.LayerNorm(8),
                                                           nn.GELU())])
+
     def fine_cuts(model: nn.Module) -> list[str]:
         graph = memplan.capture(model, x, loss_fn=lambda out: out.square().mean())
-        return [c.module for c in graph.cut_points if c.kind != "call"]
+        return [c.module for c in graph.cut_points if c.kind != CALL]
 
     assert len(fine_cuts(same)) == 15  # one per block; the last block's: the forward's end
     assert 0 < len(fine_cuts(mixed)) <= 8
