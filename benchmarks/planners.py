@@ -7,9 +7,9 @@ T=1024 over a budget table, and planning times (ResNet-1000, LSTM T=2048).
 Graphs are captured once and cached as JSON under --graphs (LSTM T=1024 takes ~2.5 min to
 capture, T=2048 longer; delete a cached file after a change to capture or cut points).
 ``--json`` writes the measured rows; ``--before`` reads such a file (written by an older
-memplan) and prints it beside this run. The reference column is the
-issue's exact figures (an independent step-level DP on independently built models: its LSTM
-is the loop over ``nn.LSTMCell`` of ``user_loops.CellLSTM``, plain 9.15 GB).
+memplan) and prints it beside this run. The reference column is the issue's exact figures
+(an independent step-level DP on independently built models: its LSTM is the loop over
+``nn.LSTMCell`` of ``user_loops.CellLSTM``, plain 9.15 GB).
 """
 
 from __future__ import annotations
