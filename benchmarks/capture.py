@@ -2,10 +2,10 @@
 as a Workload, built on the meta device inside capture, and ``resnet1000-user``: built with
 real weights first, as a user builds it) and LSTM (T=1024, T=2048), and of loops users write
 around torch's modules (``user_loops``: ``emb-lstm1024``, ``emb-gru1024``, ``universal48``,
-``cells-lstm1024``: the issue's own LSTM build), wall and process CPU seconds, each run in a
-fresh process (the fake mode's cache is process-wide), 1 thread, interleaved with the reference
-path (every op through the fake mode, ``--reference``), medians; the load average beside each
-figure. Both paths must give the same graph fingerprint. ``--src`` times other source trees
+``cells-lstm1024``/``cells-lstm2048``: the issue's own LSTM build), wall and process CPU
+seconds, each run in a fresh process (the fake mode's cache is process-wide), 1 thread,
+interleaved with the reference path (every op through the fake mode, ``--reference``),
+medians; the load average beside each figure. Both paths must give the same graph fingerprint. ``--src`` times other source trees
 too, interleaved (e.g. a worktree of an older commit: ``--src src,/work/wt/old/src``; the fast
 path only, through the public ``memplan.capture``, which every layout has).
 
@@ -43,6 +43,7 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "universal48": ("user:universal", {"steps": 48}),
     # The paper's LSTM as issue 14 built it: a loop over nn.LSTMCell (68,611 ops at T=1024).
     "cells-lstm1024": ("user:paper-lstmcell", {"steps": 1024}),
+    "cells-lstm2048": ("user:paper-lstmcell", {"steps": 2048}),
 }
 # --warm: a model of the same family, captured first in the process (tests/small.py's configs).
 WARMUP: dict[str, dict[str, Any]] = {

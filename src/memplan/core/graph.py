@@ -246,6 +246,50 @@ class Graph:
         )
 
 
+# Makers for capture, which builds hundreds of thousands of these (LSTM T=1024: 218,000 ops,
+# 134,000 values): a frozen dataclass's ``__init__`` sets each field through
+# ``object.__setattr__``, three times the cost of filling the instance's dict. Equal to the
+# class's own constructor, every field given (tests/core/test_graph.py holds them to it).
+_new = object.__new__
+
+
+def make_value(id: int, nbytes: int, kind: str, producer: int, birth: int, death: int | None,
+               shape: tuple[int, ...], dtype: str, death_unsaved: int | None) -> Value:
+    v = _new(Value)
+    d = v.__dict__
+    d["id"] = id
+    d["nbytes"] = nbytes
+    d["kind"] = kind
+    d["producer"] = producer
+    d["birth"] = birth
+    d["death"] = death
+    d["shape"] = shape
+    d["dtype"] = dtype
+    d["death_unsaved"] = death_unsaved
+    return v
+
+
+def make_op(index: int, target: str, module: str, inputs: tuple[int, ...],
+            outputs: tuple[int, ...], mutated: tuple[int, ...], saved: tuple[int, ...],
+            fwd_flops: int, bwd_flops: int, grad_of: int, unpack_event: int,
+            release_event: int) -> Op:
+    op = _new(Op)
+    d = op.__dict__
+    d["index"] = index
+    d["target"] = target
+    d["module"] = module
+    d["inputs"] = inputs
+    d["outputs"] = outputs
+    d["mutated"] = mutated
+    d["saved"] = saved
+    d["fwd_flops"] = fwd_flops
+    d["bwd_flops"] = bwd_flops
+    d["grad_of"] = grad_of
+    d["unpack_event"] = unpack_event
+    d["release_event"] = release_event
+    return op
+
+
 def _value(v: dict[str, Any]) -> Value:
     return Value(**{"death_unsaved": v["death"], **v, "shape": tuple(v["shape"])})
 

@@ -65,8 +65,8 @@ def build_graph(tracer: StepTracer, name: str, output_ids: tuple[int, ...],
                 ) -> g.Graph:
     unsaved = unsaved or {}
     values = tuple(
-        g.Value(v.id, v.nbytes, v.kind, v.producer, v.birth, v.death, v.shape, v.dtype,
-                _earlier(unsaved.get(v.id), v.death))
+        g.make_value(v.id, v.nbytes, v.kind, v.producer, v.birth, v.death, v.shape, v.dtype,
+                     _earlier(unsaved.get(v.id), v.death))
         for v in tracer.values
     )
     ops = tuple(_freeze(o) for o in tracer.ops)
@@ -85,7 +85,7 @@ def _earlier(a: int | None, b: int | None) -> int | None:
 
 
 def _freeze(o: Any) -> g.Op:
-    return g.Op(
+    return g.make_op(
         o.index, o.target, o.module, tuple(o.inputs), tuple(o.outputs), tuple(o.mutated),
         tuple(o.saved), o.fwd_flops, o.bwd_flops, o.grad_of, o.unpack_event, o.release_event,
     )

@@ -1,16 +1,18 @@
 """How the calls of a chained module (``stamp_chain``) relate: the key two calls must share,
 which inputs of a call are the previous call's outputs (links) and which come from outside the
-chain, whether those hand their gradients to edges no earlier call fed, and what sets a stamped
-call's ops apart from its template's only by grad mode."""
+chain, whether those hand their gradients to edges no earlier call fed, who else reads the
+calls' outputs and inputs, and what sets a stamped call's ops apart from its template's only
+by grad mode."""
 
 from __future__ import annotations
 
-from typing import Any
+import itertools
+from typing import Any, Protocol
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from memplan.tracing.stamp_template import autocast_key, frozen_value, is_plain
+from memplan.tracing.stamp_template import StampMismatch, autocast_key, frozen_value, is_plain
 
 _RESHAPES = frozenset(("aten.view.default", "aten._unsafe_view.default"))
 
@@ -78,5 +80,59 @@ def call_key(flat: list[Any], spec: Any, params: list[torch.Tensor]) -> Any:
             leaves.append(("value", frozen_value(a)))
         else:
             return None
-    return (str(spec), tuple(leaves), autocast_key(),
+    return (spec, tuple(leaves), autocast_key(),
             tuple((p.shape, p.dtype, p.requires_grad) for p in params))
+
+
+class Call(Protocol):
+    """What these checks read of a chained call (``stamp_chain._Call``)."""
+
+    op0: int
+    outs: list[int]
+    edges: list[tuple[int, int]]
+
+
+Edge = tuple[int, int]  # an autograd node's id and an output of it: where a gradient goes
+
+
+def edge(t: torch.Tensor) -> Edge:
+    return (id(t.grad_fn), t.output_nr)
+
+
+def reads(ops: list[Any], values: set[int]) -> dict[int, list[int]]:
+    """The forward ops reading each of ``values``, in order."""
+    out: dict[int, list[int]] = {}
+    for i, op in enumerate(ops):
+        for v in op.inputs:
+            if v in values:
+                out.setdefault(v, []).append(i)
+    return out
+
+
+def outputs_private(calls: list[Call], n_ops: int, read: dict[int, list[int]]) -> None:
+    """Each call's outputs but the last's are read outside the chain only before the next
+    call: autograd then adds such a reader's gradient after the next call's, outside the
+    chain's backward. A reader after it (outputs gathered after the loop) runs backward first,
+    and the next call's backward would add onto its gradient: no template foresees that."""
+    for call, nxt in itertools.pairwise(calls):
+        for v in call.outs:
+            if any(i >= nxt.op0 and not i < nxt.op0 + n_ops for i in read.get(v, ())):
+                raise StampMismatch("a chained call's output read outside the chain after the "
+                                    "next call")
+
+
+def waiting(calls: list[Call], fed: dict[Edge, list[int]]) -> list[int]:
+    """The inputs requiring grad (positions) whose gradient from a chained call made after the
+    call (layer i's next step reading layer i's ``h[t]``, which layer i+1's step reads: ``fed``,
+    per edge the first ops of the chained calls reading it) is already in autograd's buffer
+    when the call's backward runs: the same for every call but the last, which has none (nor
+    has its side run's second call)."""
+    def after(call: Call) -> tuple[int, ...]:
+        return tuple(p for p, e in enumerate(call.edges)
+                     if any(op0 > call.op0 for op0 in fed.get(e, ())))
+
+    middle = {after(c) for c in calls[:-1]}
+    if len(middle) != 1 or after(calls[-1]):
+        raise StampMismatch("a chained call's inputs read by later chained calls unlike its "
+                            "other calls'")
+    return list(middle.pop())

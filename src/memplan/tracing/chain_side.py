@@ -6,9 +6,14 @@ the chain (``links``: -1) are fresh for each call and get their gradient as the 
 Checked on the paper's LSTM (``benchmarks/stamp_facts.py``): op for op, event for event, death
 for death.
 
-Codes as in ``stamp_template``, with two more kinds of outer value after the call's tensor
-arguments, parameters and buffers: the incoming gradient of each output, then the running sum
-of each weight's gradient handed over by the call after it.
+Inputs of a middle call that a reader after it reads too (``waiting``: the next layer's step
+reads a stacked LSTM's ``h[t]``) are read again after the second call, so that their gradient
+waits in autograd's buffer when the first call's backward runs, which adds onto it as the
+model's does.
+
+Codes as in ``stamp_template``, with three more kinds of outer value after the call's tensor
+arguments, parameters and buffers: the incoming gradient of each output, the running sum of
+each weight's gradient handed over by the call after it, then each waiting gradient.
 """
 
 from __future__ import annotations
@@ -69,29 +74,34 @@ class _Copies:
 
 def side_run(main: StepTracer, module: torch.nn.Module, fwd: Forward, flat: list[Any],
              spec: Any, params: list[torch.Tensor], buffers: list[torch.Tensor],
-             used: list[int], links: list[int], viewed: list[int]) -> ChainTemplate:
+             used: list[int], links: list[int], viewed: list[int], waiting: list[int]
+             ) -> ChainTemplate:
     """Two chained calls of ``module`` alone, forward and backward, read as templates;
     ``links``: per input requiring grad, the previous call's output it is, or -1;
-    ``viewed``: outputs of the last call the model reshapes (their gradient a view)."""
+    ``viewed``: outputs of the last call the model reshapes (their gradient a view);
+    ``waiting``: inputs requiring grad of a middle call whose gradient waits for it."""
     if not used:
         raise Ineligible("no output of the last call is read")
     side = StepTracer(record=True, fake=main.fake)
     side._run = main._run
     copies = _copies(main, side, flat, params, buffers, links)
-    calls, ins, loss = _forward(main, side, module, (flat, spec), copies, (used, viewed),
-                                links)
+    calls, ins, loss, readers = _forward(main, side, module, (flat, spec), copies,
+                                         (used, viewed, waiting), links)
     for call in calls:
         _same_forward(side, fwd, call)
     # What each call hands its inputs, and what the loss hands the second call's outputs:
     # caught at the nodes (``_edges``; a tensor hook would see the sum over all its uses).
-    given = [_edges(side, (c.op0, c.op1), ins[n]) for n, c in enumerate(calls)]
+    given = [_edges(side, (c.op0, c.op1), ins[n], set(waiting) if n == 0 else set())
+             for n, c in enumerate(calls)]
     to_last = _edges(side, (calls[1].op1, len(side.ops)), calls[1].outs)
+    waited = [_caught(side, r) for r in readers]
     with main.paused(), side:
         loss.backward()  # type: ignore[union-attr]
     grads, firsts = _weight_grads(side, copies.params)
     # The first call's outputs get what the second hands the inputs they are.
     to_first = [given[1][links.index(j)] for j in range(len(calls[0].outs))]
-    return _templates(side, calls, (given[0], to_first, given[1]), to_last, grads, firsts)
+    return _templates(side, calls, (given[0], to_first, given[1]), to_last, (grads, firsts),
+                      (waiting, waited))
 
 
 def _copies(main: StepTracer, side: StepTracer, flat: list[Any], params: list[torch.Tensor],
@@ -117,12 +127,14 @@ def _copies(main: StepTracer, side: StepTracer, flat: list[Any], params: list[to
 
 def _forward(main: StepTracer, side: StepTracer, module: torch.nn.Module,
              args_tree: tuple[list[Any], Any], copies: _Copies,
-             read: tuple[list[int], list[int]], links: list[int]
-             ) -> tuple[list[SideCall], list[list[torch.Tensor]], torch.Tensor | int]:
+             read: tuple[list[int], list[int], list[int]], links: list[int]
+             ) -> tuple[list[SideCall], list[list[torch.Tensor]], torch.Tensor | int,
+                        list[torch.Tensor]]:
     """The two calls' forward on the side tracer, the second taking the first's outputs as its
     arguments that require grad (``links``, the others fresh); returns the calls, each call's
-    such arguments, and a loss of the outputs ``read[0]`` of the second (those in ``read[1]``
-    reshaped first, as the model does: their gradient a view, as the model's)."""
+    such arguments, a loss of the outputs ``read[0]`` of the second (those in ``read[1]``
+    reshaped first, as the model does: their gradient a view, as the model's), and readers,
+    made after both calls, of the first call's inputs ``read[2]``."""
     flat, spec = args_tree
     names = ([n for n, _ in module.named_parameters()], [n for n, _ in module.named_buffers()])
     state = dict(zip(names[0], copies.params)) | dict(zip(names[1], copies.buffers))
@@ -149,11 +161,14 @@ def _forward(main: StepTracer, side: StepTracer, module: torch.nn.Module,
             if n == 0:
                 outside = iter(fresh)
                 ins.append([outs[j] if j >= 0 else next(outside) for j in links])
-        used, viewed = read
+        used, viewed, waiting = read
         last = calls[1].outs
-        loss = sum(((last[j].view(-1) if j in viewed else last[j]) * 2.0).sum() for j in used)
+        loss: torch.Tensor | int = sum(
+            ((last[j].view(-1) if j in viewed else last[j]) * 2.0).sum() for j in used)
+        readers = [ins[0][p] * 2.0 for p in waiting]
+        loss = loss + sum(r.sum() for r in readers)
     side.end_forward()
-    return calls, ins, loss
+    return calls, ins, loss, readers
 
 
 def _same_forward(side: StepTracer, fwd: Forward, call: SideCall) -> None:
@@ -188,10 +203,17 @@ def _weight_grads(side: StepTracer, params: list[torch.Tensor]) -> tuple[list[in
 
 
 def _templates(side: StepTracer, calls: list[SideCall], given: tuple[list[list[Any]], ...],
-               to_last: list[list[Any]], grads: list[int], firsts: list[int]) -> ChainTemplate:
+               to_last: list[list[Any]], sums: tuple[list[int], list[int]],
+               waits: tuple[list[int], list[list[Any]]]) -> ChainTemplate:
     """The second call's window as the last call's (no running sums handed over), the first's
-    as a middle call's (adding onto the sums the call after it hands over). ``given``: what
-    the first call hands its inputs, what its outputs get, what the second hands its inputs."""
+    as a middle call's (adding onto the sums the call after it hands over, and onto the
+    gradients waiting for its inputs ``waits``). ``given``: what the first call hands its
+    inputs, what its outputs get, what the second hands its inputs; ``sums``: each weight's
+    gradient, and the first call's part of it."""
+    grads, firsts = sums
+    waiting = [_spec(side, cell) for cell in waits[1]]
+    if any(w is None for w in waiting):
+        raise Ineligible("a reader of a call's input handed it no gradient")
     saved = [_saved(side, calls[n]) for n in range(2)]
     if saved[0] != saved[1]:
         raise Ineligible("the two calls save differently")
@@ -205,16 +227,18 @@ def _templates(side: StepTracer, calls: list[SideCall], given: tuple[list[list[A
             and ws < v.birth <= we]
     foreign = set(calls_values) | set(born)
     middle = read_window(side, calls[0], [_spec(side, t) for t in given[1]],
-                         [_spec(side, t) for t in given[0]], firsts, grads, saved[0], foreign)
+                         [_spec(side, t) for t in given[0]], firsts, grads, saved[0], foreign,
+                         (waits[0], [w[0] for w in waiting]))  # type: ignore[index]
     return ChainTemplate(saved[0], middle, last)
 
 
-def _edges(side: StepTracer, ops: tuple[int, int], targets: list[torch.Tensor]
-           ) -> list[list[torch.Tensor | None]]:
+def _edges(side: StepTracer, ops: tuple[int, int], targets: list[torch.Tensor],
+           summed: set[int] | None = None) -> list[list[torch.Tensor | None]]:
     """Per target tensor, a cell filled by backward with the gradient the nodes of forward
     ops ``ops`` hand it: one node's, caught as it hands it; several nodes' (a GRU's state
-    read by its gates and its blend), their sum as autograd hands it on to the target's node
-    (each target is read by these nodes only: ``stamp_chain``)."""
+    read by its gates and its blend) or a target in ``summed`` (a gradient waits for it),
+    their sum as autograd hands it on to the target's node (each target is read by these
+    nodes only, or by a reader that ran before them: ``stamp_chain``)."""
     where = {}
     for k, t in enumerate(targets):
         if t.grad_fn is not None:
@@ -231,7 +255,7 @@ def _edges(side: StepTracer, ops: tuple[int, int], targets: list[torch.Tensor]
     cells: list[list[torch.Tensor | None]] = [[] for _ in targets]
     for k, nodes in sorted(readers.items()):
         cells[k].append(None)
-        if len(nodes) == 1:
+        if len(nodes) == 1 and k not in (summed or ()):
             node, i = nodes[0]
             node.register_hook(_catch(side, [cells[k]], [(i, 0)]))
         else:
@@ -239,6 +263,14 @@ def _edges(side: StepTracer, ops: tuple[int, int], targets: list[torch.Tensor]
             assert t.grad_fn is not None  # ``where`` holds targets with a node only
             t.grad_fn.register_prehook(_catch(side, [cells[k]], [(t.output_nr, 0)], pre=True))
     return cells
+
+
+def _caught(side: StepTracer, reader: torch.Tensor) -> list[Any]:
+    """A cell filled by backward with the gradient ``reader`` (one op of one input) hands on."""
+    cell: list[Any] = [None]
+    assert reader.grad_fn is not None
+    reader.grad_fn.register_hook(_catch(side, [cell], [(0, 0)]))
+    return cell
 
 
 def _catch(side: StepTracer, cells: list[list[Any]], mine: list[tuple[int, int]],

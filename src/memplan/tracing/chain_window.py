@@ -5,7 +5,8 @@ ran, with the values it reads as codes (``chain_side``'s module docstring says w
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
@@ -36,6 +37,23 @@ class Window:
     sums: list[int]  # per weight: the new value holding its gradient's running sum after
     releases: dict[int, int]  # saved input/output code -> the event its saver releases it
     takes_sums: bool  # a middle call: adds onto the running sums handed over
+    waiting: list[int] = field(default_factory=list)  # inputs (positions) whose gradient
+    # waits in autograd's buffer: the call adds onto it and hands autograd the sum
+
+    @functools.cached_property
+    def schedule(self) -> list[tuple[Any, list[int], list[int], list[int]]]:
+        """Per event of the window (relative): its op (None: no op), the new values born, the
+        coded values that die, the saved arguments and outputs released (``chain_emit``
+        replays it for every stamped call)."""
+        out: list[tuple[Any, list[int], list[int], list[int]]] = [
+            (None, [], self.deaths.get(r, []), []) for r in range(self.length + 1)]
+        for k, op in enumerate(self.ops):
+            out[1 + k] = (op, *out[1 + k][1:])
+        for k, val in enumerate(self.values):
+            out[val[4]][1].append(k)
+        for c, r in self.releases.items():
+            out[r][3].append(c)
+        return out
 
 
 class SideCall(NamedTuple):
@@ -53,7 +71,8 @@ class SideCall(NamedTuple):
 class _Codes:
     """How one call's backward names the values it reads: ``new0 <= v < new1`` its backward
     values, ``v0 <= v < v1`` its forward values, ``outer`` the rest it may read (arguments,
-    weights and buffers, then the outputs' incoming gradients, then the running sums)."""
+    weights and buffers, then the outputs' incoming gradients, the running sums, the gradients
+    waiting for its inputs)."""
 
     new0: int
     new1: int
@@ -62,6 +81,7 @@ class _Codes:
     outer: dict[int, int]
     n_outer: int  # the call's arguments, parameters and buffers
     n_out: int  # its outputs, one incoming gradient code each
+    n_sums: int = 0  # running sums handed over
 
     def get(self, x: int) -> int | None:
         """``x``'s code, None where the call may not read it."""
@@ -86,6 +106,15 @@ class _Codes:
             raise Ineligible("a running sum not where the chain puts it")
         for p, s_in in enumerate(sums_in):
             self.outer[s_in] = -1 - (self.n_outer + self.n_out + p)
+        self.n_sums = len(sums_in)
+
+    def take_waiting(self, waiting: list[int]) -> None:
+        """Code the gradients waiting for the call's inputs after the running sums."""
+        first = self.n_outer + self.n_out + self.n_sums
+        for q, w in enumerate(waiting):
+            if w in self.outer or self.new0 <= w < self.new1 or self.v0 <= w < self.v1:
+                raise Ineligible("a waiting gradient not from a reader outside the call")
+            self.outer[w] = -1 - (first + q)
 
 
 def vids(side: StepTracer, ts: list[torch.Tensor]) -> list[int]:
@@ -98,10 +127,12 @@ def vids(side: StepTracer, ts: list[torch.Tensor]) -> list[int]:
 
 def read_window(side: StepTracer, call: SideCall, incoming: list[tuple[int, Spec] | None],
                 handed: list[tuple[int, Spec] | None], sums_in: list[int], sums_out: list[int],
-                saved: list[list[int]], foreign: range | set[int]) -> Window:
+                saved: list[list[int]], foreign: range | set[int],
+                waits: tuple[list[int], list[int]] = ([], [])) -> Window:
     """One call's backward window: ``sums_in``/``sums_out`` the values holding each weight's
     running sum before (none: the last call) and after it; ``foreign``: values of the calls
-    that must not die in this window unless coded."""
+    that must not die in this window unless coded; ``waits``: the inputs (positions) whose
+    gradient waits for the call, and the values waiting."""
     unit = range(call.op0, call.op1)
     ws, we, window = backward_window(side, unit)
     outs = set(vids(side, call.outs))
@@ -110,12 +141,15 @@ def read_window(side: StepTracer, call: SideCall, incoming: list[tuple[int, Spec
     codes = _Codes(born[0].id, born[-1].id + 1, call.v0, call.v1, outer, len(call.outer),
                    len(incoming))
     codes.take_sums(sums_in, sums_out)
+    codes.take_waiting(waits[1])
     sums = [s - codes.new0 for s in sums_out]
     rel = codes.rel
     ops = [(b.target, [rel(v) for v in b.inputs], [rel(v) - NEW for v in b.outputs],
             [rel(v) for v in b.mutated], b.fwd_flops, b.grad_of - call.op0) for b in window]
     values = [(v.nbytes, v.shape, v.dtype, v.numel, v.birth - ws) for v in born]
     hands = _hands(side, handed, codes)
+    if any(hands[p][0] != "new" for p in waits[0]):
+        raise Ineligible("an input's waiting gradient is handed on as it came")
     # What the call hands on lives on after it; all else it makes dies inside it.
     kept = {h[1] for h in hands if h[0] == "new"} | set(sums)
     for v in born:
@@ -128,7 +162,7 @@ def read_window(side: StepTracer, call: SideCall, incoming: list[tuple[int, Spec
     last = max(unit, key=lambda i: side.ops[i].unpack_event)
     return Window(ops, values, deaths, events, we - ws, last - call.op0,
                   [None if inc is None else inc[1] for inc in incoming], dying, hands, sums,
-                  releases, bool(sums_in))
+                  releases, bool(sums_in), list(waits[0]))
 
 
 def _outer_codes(outer: list[int], incoming: list[tuple[int, Spec] | None]) -> dict[int, int]:

@@ -9,11 +9,17 @@ not read on get no gradient; an input read by two of its nodes, a GRU's state or
 stream, gets their sum). The weights' gradients add up across calls: stamped nodes hand
 autograd none; the stamper writes the adds the template holds and the earliest stamped call,
 last to run backward, hands autograd the running sums, which the traced calls before it add
-onto as they would. Whatever the template did not foresee raises ``StampMismatch``.
+onto as they would. A call's outputs may be read outside the chain before the next call (a
+loss per step, the next layer of a stacked LSTM); an input that a later chained call of
+another chain reads too (layer i's ``h[t]``, read by layer i's step t+1) finds that call's
+gradient waiting, and autograd adds onto it in the middle of the call's backward: the side
+run's template holds that add, and the stamp writes it (``chain_emit``). Whatever the
+template did not foresee raises ``StampMismatch``.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -47,6 +53,8 @@ class _Call:
     outer: list[int]  # tensor arguments, parameters, buffers (value ids)
     outs: list[int]  # its outputs' value ids (flattened)
     end: int = 0  # ops after it
+    edges: list[chain_links.Edge] = field(default_factory=list)  # where its inputs requiring
+    # grad hand their gradients (``chain_links.edge``)
 
 
 @dataclass
@@ -76,6 +84,7 @@ class Chain:
     done: int = 0  # stamped backwards run
     emitted: int = 0  # backward ops emitted
     broken: bool = False
+    known: chain_emit.Known | None = None  # torch's own cells: what a call makes
 
 
 class ChainStamper:
@@ -83,6 +92,9 @@ class ChainStamper:
         self.stamper = stamper
         self.tracer: StepTracer = stamper.tracer
         self.chains: dict[int, Chain] = {}
+        # Gradients stamped calls handed autograd, by edge: a call made before them whose
+        # input feeds that edge too finds it waiting in autograd's buffer (``ChainUnit``).
+        self.handed: dict[chain_links.Edge, weakref.ref[torch.Tensor]] = {}
 
     @contextmanager
     def inside(self) -> Iterator[None]:
@@ -133,18 +145,8 @@ class ChainStamper:
             # Not yet stamped: this call is the template of those after it.
             chain.params, chain.buffers = params, buffers
             return self._learn(chain, module, original, both, key, outer)  # type: ignore[arg-type]
-        assert prev is not None
-        if not chain.stamps and not self._foreseeable(prev):
-            return self._traced(chain, original, both)
         chain.links = links
         return self._stamp(chain, module, original, flat, spec, outer, params)  # type: ignore[arg-type]
-
-    def _foreseeable(self, first: _Call) -> bool:
-        """Before the first stamp, what ``end_forward`` would refuse (a fallback: the step
-        captured again) seen early, to leave the chain unstamped: the first call's outputs
-        read by ops outside the chain (``_outputs_private``)."""
-        outs = set(first.outs)
-        return all(outs.isdisjoint(op.inputs) for op in self.tracer.ops[first.end:])
 
     def _traced(self, chain: Chain, original: Any,
                 both: tuple[tuple[Any, ...], dict[str, Any]]) -> Any:
@@ -184,7 +186,10 @@ class ChainStamper:
                       for a in flat]
         chain.spec, chain.out_spec = spec, out_spec
         outs = [v0 + forward.out, *(v0 + k for k in forward.more)]
-        chain.first = chain.last = _Call(op0, v0, outer, outs, len(tracer.ops))
+        edges = [chain_links.edge(a) for a in flat
+                 if isinstance(a, torch.Tensor) and a.requires_grad]
+        chain.first = chain.last = _Call(op0, v0, outer, outs, len(tracer.ops), edges)
+        chain.known = chain_emit.known_outputs(module, flat_out)
         chain.made.update(outs)
         return out
 
@@ -223,22 +228,31 @@ class ChainStamper:
     def end_forward(self) -> None:
         """Side runs of every chain stamped; the stamped ops get their template's saves."""
         tracer = self.tracer
-        for chain in self.chains.values():
-            if not chain.stamps:
-                continue
+        stamped = [c for c in self.chains.values() if c.stamps]
+        calls_of = {id(c): [c.first, *c.stamps] for c in stamped}
+        reads = chain_links.reads(tracer.ops, {v for calls in calls_of.values()
+                                               for call in calls for v in call.outs})  # type: ignore[union-attr]
+        fed: dict[chain_links.Edge, list[int]] = {}
+        for calls in calls_of.values():
+            for call in calls:
+                for e in call.edges:  # type: ignore[union-attr]
+                    fed.setdefault(e, []).append(call.op0)  # type: ignore[union-attr]
+        for chain in stamped:
             assert chain.forward is not None and chain.first is not None and chain.last
             after = tracer.ops[chain.last.end:]
             read_after = {v for op in after for v in op.inputs}
             used = [j for j, v in enumerate(chain.last.outs) if v in read_after]
             viewed = [j for j in used if chain_links.reshaped(after, chain.last.outs[j])]
+            calls = calls_of[id(chain)]
+            chain_links.outputs_private(calls, len(chain.forward.ops), reads)  # type: ignore[arg-type]
+            waiting = chain_links.waiting(calls, fed)  # type: ignore[arg-type]
             try:
                 assert chain.links is not None
-                chain.template = chain_side.side_run(tracer, chain.module, chain.forward, chain.args,
-                                                     chain.spec, chain.params, chain.buffers,
-                                                     used, chain.links, viewed)
+                chain.template = chain_side.side_run(
+                    tracer, chain.module, chain.forward, chain.args, chain.spec, chain.params,
+                    chain.buffers, used, chain.links, viewed, waiting)
             except Ineligible as err:
                 raise StampMismatch(f"chain side run: {err}") from None
-            self._outputs_private(chain)
             saved = chain.template.saved
             if set(chain.template.middle.releases) != chain.held \
                     or set(chain.template.last.releases) != chain.held:
@@ -253,21 +267,22 @@ class ChainStamper:
                     tracer.ops[call.op0 + k].saved = [vid(c, call.f0, call.outer, 0)
                                                       for c in codes]
 
-    def _outputs_private(self, chain: Chain) -> None:
-        """Each call's outputs but the last's are read by the next call only: another reader
-        would add to the gradient a stamped call gets, which its template does not foresee."""
-        ops, first = self.tracer.ops, chain.first
-        assert first is not None and chain.forward is not None
-        n = len(chain.forward.ops)
-        inside = bytearray(len(ops))
-        calls = [first, *chain.stamps]
-        for call in calls:
-            inside[call.op0:call.op0 + n] = b"\x01" * n
-        outs = {v for call in calls[:-1] for v in call.outs}
-        if any(not inside[i] and not outs.isdisjoint(op.inputs) for i, op in enumerate(ops)):
-            raise StampMismatch("a chained call's output read outside the chain")
+    def waiting(self, call: _Call, inputs: list[int]) -> list[torch.Tensor]:
+        """The gradients waiting in autograd's buffers for the call's ``inputs`` (positions):
+        each one a stamped call of a chain handed autograd for it (a traced reader's is not
+        known here: the stamp falls back)."""
+        out = []
+        for p in inputs:
+            ref = self.handed.pop(call.edges[p], None)
+            t = None if ref is None else ref()
+            if t is None:
+                raise StampMismatch("a gradient waiting for a chained call's input came from "
+                                    "no stamped call")
+            out.append(t)
+        return out
 
     def finish(self) -> None:
+        self.handed.clear()
         tracer = self.tracer
         for chain in self.chains.values():
             if not chain.stamps:
@@ -297,22 +312,28 @@ class ChainUnit(torch.autograd.Function):
         if tracer._pending:
             tracer._hook_pending_nodes()
         frees = tracer.frees
-        ran: list[str] = []
-        tracer.paused_ops = ran
-        try:
-            pos, kw = tree_unflatten(flat, spec)
-            with tracer.paused(), chains.inside():
-                out = original(*pos, **kw)
-        finally:
-            tracer.paused_ops = None
-        flat_out, out_spec = tree_flatten(out)
         fwd = chain.forward
         assert fwd is not None
         codes = [fwd.out, *fwd.more]
-        # The module's Python may take another path than its first call's (a counter, say):
-        # the ops it ran must be the template's.
-        if chain_links.no_clones(ran) != chain_links.no_clones(chain.targets):
-            raise StampMismatch("a stamped chained call ran other ops than its first call")
+        # torch's own cell: what it makes follows from the call's key (``known_outputs``).
+        made = None if chain.known is None else chain_emit.make_outputs(tracer, chain.module,
+                                                                         chain.known)
+        if made is not None:
+            flat_out, out_spec = made, chain.out_spec
+        else:
+            ran: list[str] = []
+            tracer.paused_ops = ran
+            try:
+                pos, kw = tree_unflatten(flat, spec)
+                with tracer.paused(), chains.inside():
+                    out = original(*pos, **kw)
+            finally:
+                tracer.paused_ops = None
+            flat_out, out_spec = tree_flatten(out)
+            # The module's Python may take another path than its first call's (a counter,
+            # say): the ops it ran must be the template's.
+            if chain_links.no_clones(ran) != chain_links.no_clones(chain.targets):
+                raise StampMismatch("a stamped chained call ran other ops than its first call")
         if tracer.frees != frees or out_spec != chain.out_spec or len(flat_out) != len(codes) \
                 or any(type(t) is not FakeTensor or tracer._lookup(t) is not None
                        for t in flat_out):
@@ -320,7 +341,8 @@ class ChainUnit(torch.autograd.Function):
                                 "are not its first call's")
         op0, f0 = len(tracer.ops), len(tracer.values)
         emit_forward(tracer, fwd, "", dict(zip(codes, flat_out)), outer)
-        call = _Call(op0, f0, outer, [f0 + c for c in codes], len(tracer.ops))
+        call = _Call(op0, f0, outer, [f0 + c for c in codes], len(tracer.ops),
+                     [chain_links.edge(t) for t in tensors[:n_in]])
         chain.stamps.append(call)
         chain.last = call
         chain.made.update(call.outs)
@@ -350,7 +372,11 @@ class ChainUnit(torch.autograd.Function):
             raise StampMismatch("the running sums would be handed on by the last call's variant")
         before = len(tracer.backward_ops)
         handed, sums = chain_emit.emit_window(tracer, window, call.op0, call.f0, call.outer,
-                                              grads, chain.sums, held, hand_sums, ctx.specs)
+                                              grads, chain.sums, held, hand_sums, ctx.specs,
+                                              chains.waiting(call, window.waiting))
+        for e, t in zip(call.edges, handed):
+            if t is not None:
+                chains.handed[e] = weakref.ref(t)
         chain.emitted += len(tracer.backward_ops) - before
         chain.sums = sums
         chain.done += 1

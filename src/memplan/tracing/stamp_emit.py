@@ -108,9 +108,7 @@ def emit_forward(tracer: StepTracer, fwd: Forward, path: str, outs: dict[int, to
     tensors), by forward value."""
     op0, f0 = len(tracer.ops), len(tracer.values)
     values, ops = tracer.values, tracer.ops
-    births: dict[int, list[int]] = {}
-    for k, v in enumerate(fwd.values):
-        births.setdefault(v[4], []).append(k)
+    births = fwd.births
     for i, (target, module, inputs, outputs, mutated, flops) in enumerate(fwd.ops):
         tracer.event = op0 + i
         ops.append(_OpRec(op0 + i, target, path + module, [vid(c, f0, outer, 0) for c in inputs],

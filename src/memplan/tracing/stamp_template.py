@@ -14,6 +14,7 @@ buffers (in ``named_parameters``/``named_buffers`` order), then the incoming gra
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,6 +52,14 @@ class Forward:
     out: int  # the output's forward value
     deaths: dict[int, list[int]] = field(default_factory=dict)  # event -> values (forward)
     more: list[int] = field(default_factory=list)  # further outputs' forward values
+
+    @functools.cached_property
+    def births(self) -> dict[int, list[int]]:
+        """Op (relative) -> the values it makes, for every stamped call to replay."""
+        out: dict[int, list[int]] = {}
+        for k, v in enumerate(self.values):
+            out.setdefault(v[4], []).append(k)
+        return out
 
 
 @dataclass

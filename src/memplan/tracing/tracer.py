@@ -194,10 +194,9 @@ class StepTracer(AutogradNodes, TorchDispatchMode):  # type: ignore[no-untyped-c
                 return proxy  # saved again (the same tensor, as another op's input)
         key = t.untyped_storage()._cdata
         vid = self._by_storage.get(key)
-        if vid is None or self.values[vid].kind != g.ACTIVATION or self.fake is None \
-                or t.fake_mode is not self.fake or t.layout is not torch.strided \
-                or t.is_conj() or t.is_neg():
+        if vid is None or not self.proxiable(t, vid):
             return t
+        assert self.fake is not None  # proxiable
         with torch._C._DisableTorchDispatch():
             storage = torch.UntypedStorage(  # type: ignore[no-untyped-call]
                 self.values[vid].nbytes, device=_META)
@@ -211,6 +210,21 @@ class StepTracer(AutogradNodes, TorchDispatchMode):  # type: ignore[no-untyped-c
         self._packed[id(t)] = (weakref.ref(t), weakref.ref(proxy))
         return proxy
 
+    def proxiable(self, t: FakeTensor, vid: int) -> bool:
+        """Whether ``pack`` splits a save of ``t`` (value ``vid``) from it."""
+        return self.values[vid].kind == g.ACTIVATION and self.fake is not None \
+            and t.fake_mode is self.fake and t.layout is torch.strided \
+            and not t.is_conj() and not t.is_neg()
+
+    def hold(self, vid: int) -> None:
+        """A save split from its value without a proxy tensor: a stamped call, which knows
+        the event its node releases it at (``release``)."""
+        self._proxies[vid] = self._proxies.get(vid, 0) + 1
+
+    def release(self, vid: int) -> None:
+        self.frees += 1
+        self._proxy_gone(vid)
+
     @staticmethod
     def unpack(t: torch.Tensor) -> torch.Tensor:
         return t
@@ -220,6 +234,9 @@ class StepTracer(AutogradNodes, TorchDispatchMode):  # type: ignore[no-untyped-c
         self.frees += 1
         if self._by_storage.get(key) == vid:
             del self._by_storage[key]
+        self._proxy_gone(vid)
+
+    def _proxy_gone(self, vid: int) -> None:
         left = self._proxies[vid] - 1
         if left:
             self._proxies[vid] = left
