@@ -87,7 +87,7 @@ def hold(tracer: StepTracer, codes: set[int], tensors: list[torch.Tensor],
     for c in sorted(codes):
         t = tensors[-1 - c] if c < 0 else outs[c]
         v = tracer._lookup(t) if type(t) is FakeTensor else None
-        if v is not None and tracer.proxiable(t, v):  # type: ignore[arg-type]
+        if v is not None and tracer.proxiable(t, v):
             tracer.hold(v)
             held[c] = v
         else:

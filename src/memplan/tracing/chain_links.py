@@ -7,6 +7,7 @@ by grad mode."""
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
@@ -109,7 +110,7 @@ def reads(ops: list[Any], values: set[int]) -> dict[int, list[int]]:
     return out
 
 
-def outputs_private(calls: list[Call], n_ops: int, read: dict[int, list[int]]) -> None:
+def outputs_private(calls: Sequence[Call], n_ops: int, read: dict[int, list[int]]) -> None:
     """Each call's outputs but the last's are read outside the chain only before the next
     call: autograd then adds such a reader's gradient after the next call's, outside the
     chain's backward. A reader after it (outputs gathered after the loop) runs backward first,
@@ -121,7 +122,7 @@ def outputs_private(calls: list[Call], n_ops: int, read: dict[int, list[int]]) -
                                     "next call")
 
 
-def waiting(calls: list[Call], fed: dict[Edge, list[int]]) -> list[int]:
+def waiting(calls: Sequence[Call], fed: dict[Edge, list[int]]) -> list[int]:
     """The inputs requiring grad (positions) whose gradient from a chained call made after the
     call (layer i's next step reading layer i's ``h[t]``, which layer i+1's step reads: ``fed``,
     per edge the first ops of the chained calls reading it) is already in autograd's buffer

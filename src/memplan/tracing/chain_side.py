@@ -211,8 +211,9 @@ def _templates(side: StepTracer, calls: list[SideCall], given: tuple[list[list[A
     inputs, what its outputs get, what the second hands its inputs; ``sums``: each weight's
     gradient, and the first call's part of it."""
     grads, firsts = sums
-    waiting = [_spec(side, cell) for cell in waits[1]]
-    if any(w is None for w in waiting):
+    caught = [_spec(side, cell) for cell in waits[1]]
+    waiting = [w[0] for w in caught if w is not None]
+    if len(waiting) != len(caught):
         raise Ineligible("a reader of a call's input handed it no gradient")
     saved = [_saved(side, calls[n]) for n in range(2)]
     if saved[0] != saved[1]:
@@ -228,7 +229,7 @@ def _templates(side: StepTracer, calls: list[SideCall], given: tuple[list[list[A
     foreign = set(calls_values) | set(born)
     middle = read_window(side, calls[0], [_spec(side, t) for t in given[1]],
                          [_spec(side, t) for t in given[0]], firsts, grads, saved[0], foreign,
-                         (waits[0], [w[0] for w in waiting]))  # type: ignore[index]
+                         (waits[0], waiting))
     return ChainTemplate(saved[0], middle, last)
 
 

@@ -229,14 +229,14 @@ class ChainStamper:
         """Side runs of every chain stamped; the stamped ops get their template's saves."""
         tracer = self.tracer
         stamped = [c for c in self.chains.values() if c.stamps]
-        calls_of = {id(c): [c.first, *c.stamps] for c in stamped}
+        calls_of = {id(c): _calls(c) for c in stamped}
         reads = chain_links.reads(tracer.ops, {v for calls in calls_of.values()
-                                               for call in calls for v in call.outs})  # type: ignore[union-attr]
+                                               for call in calls for v in call.outs})
         fed: dict[chain_links.Edge, list[int]] = {}
         for calls in calls_of.values():
             for call in calls:
-                for e in call.edges:  # type: ignore[union-attr]
-                    fed.setdefault(e, []).append(call.op0)  # type: ignore[union-attr]
+                for e in call.edges:
+                    fed.setdefault(e, []).append(call.op0)
         for chain in stamped:
             assert chain.forward is not None and chain.first is not None and chain.last
             after = tracer.ops[chain.last.end:]
@@ -244,8 +244,8 @@ class ChainStamper:
             used = [j for j, v in enumerate(chain.last.outs) if v in read_after]
             viewed = [j for j in used if chain_links.reshaped(after, chain.last.outs[j])]
             calls = calls_of[id(chain)]
-            chain_links.outputs_private(calls, len(chain.forward.ops), reads)  # type: ignore[arg-type]
-            waiting = chain_links.waiting(calls, fed)  # type: ignore[arg-type]
+            chain_links.outputs_private(calls, len(chain.forward.ops), reads)
+            waiting = chain_links.waiting(calls, fed)
             try:
                 assert chain.links is not None
                 chain.template = chain_side.side_run(
@@ -299,6 +299,12 @@ class ChainStamper:
             if not chain_emit.foresaw(tracer, chain.template.middle, first.op0, first.f0,
                                       first.outer):
                 raise StampMismatch("the first chained call's backward is not its side run's")
+
+
+def _calls(chain: Chain) -> list[_Call]:
+    """A stamped chain's calls: its first (traced), then its stamped ones."""
+    assert chain.first is not None
+    return [chain.first, *chain.stamps]
 
 
 class ChainUnit(torch.autograd.Function):

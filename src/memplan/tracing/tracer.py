@@ -210,10 +210,10 @@ class StepTracer(AutogradNodes, TorchDispatchMode):  # type: ignore[no-untyped-c
         self._packed[id(t)] = (weakref.ref(t), weakref.ref(proxy))
         return proxy
 
-    def proxiable(self, t: FakeTensor, vid: int) -> bool:
-        """Whether ``pack`` splits a save of ``t`` (value ``vid``) from it."""
+    def proxiable(self, t: torch.Tensor, vid: int) -> bool:
+        """Whether ``pack`` splits a save of ``t`` (a fake tensor, value ``vid``) from it."""
         return self.values[vid].kind == g.ACTIVATION and self.fake is not None \
-            and t.fake_mode is self.fake and t.layout is torch.strided \
+            and getattr(t, "fake_mode", None) is self.fake and t.layout is torch.strided \
             and not t.is_conj() and not t.is_neg()
 
     def hold(self, vid: int) -> None:
