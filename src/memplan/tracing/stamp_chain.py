@@ -92,8 +92,10 @@ class ChainStamper:
         self.stamper = stamper
         self.tracer: StepTracer = stamper.tracer
         self.chains: dict[int, Chain] = {}
-        # Gradients stamped calls handed autograd, by edge: a call made before them whose
-        # input feeds that edge too finds it waiting in autograd's buffer (``ChainUnit``).
+        # Gradients stamped calls handed autograd for the edges a call made before them
+        # waits on (``awaited``, from ``end_forward``): that call finds it in autograd's
+        # buffer (``ChainUnit``).
+        self.awaited: set[chain_links.Edge] = set()
         self.handed: dict[chain_links.Edge, weakref.ref[torch.Tensor]] = {}
 
     @contextmanager
@@ -246,6 +248,7 @@ class ChainStamper:
             calls = calls_of[id(chain)]
             chain_links.outputs_private(calls, len(chain.forward.ops), reads)
             waiting = chain_links.waiting(calls, fed)
+            self.awaited.update(call.edges[p] for call in calls[:-1] for p in waiting)
             try:
                 assert chain.links is not None
                 chain.template = chain_side.side_run(
@@ -283,6 +286,7 @@ class ChainStamper:
 
     def finish(self) -> None:
         self.handed.clear()
+        self.awaited.clear()
         tracer = self.tracer
         for chain in self.chains.values():
             if not chain.stamps:
@@ -381,7 +385,7 @@ class ChainUnit(torch.autograd.Function):
                                               grads, chain.sums, held, hand_sums, ctx.specs,
                                               chains.waiting(call, window.waiting))
         for e, t in zip(call.edges, handed):
-            if t is not None:
+            if t is not None and e in chains.awaited:
                 chains.handed[e] = weakref.ref(t)
         chain.emitted += len(tracer.backward_ops) - before
         chain.sums = sums
