@@ -8,7 +8,6 @@ autograd nothing for the input, and the waiting tensor stands for the sum from t
 
 from __future__ import annotations
 
-import weakref
 from typing import Any, NamedTuple
 
 import torch
@@ -18,7 +17,7 @@ from memplan.core import graph as g
 from memplan.tracing.chain_window import Window
 from memplan.tracing.opcache import fake_tensor
 from memplan.tracing.stamp_check import matched
-from memplan.tracing.stamp_emit import unwatch, vid
+from memplan.tracing.stamp_emit import rewatch, unwatch, vid
 from memplan.tracing.stamp_template import NEW, StampMismatch, tensor_spec
 from memplan.tracing.tracer import StepTracer, _OpRec, _ValueRec
 
@@ -262,17 +261,12 @@ def _rename(tracer: StepTracer, win: Window, k: int, n0: int, t: torch.Tensor) -
     """New value ``k`` (an input's gradient, summed onto the one waiting for it) born in the
     waiting tensor, which autograd's buffer keeps: its death is the new value's."""
     nbytes, shape, dtype, numel, _ = win.values[k]
-    storage = t.untyped_storage()
-    ref = weakref.ref(storage)
-    if storage.nbytes() != nbytes or ref not in tracer._watched:
+    if t.untyped_storage().nbytes() != nbytes or not rewatch(tracer, t, n0 + k):
         raise StampMismatch("a gradient waiting for a chained call's input is not the "
                             "template's")
     tracer.values.append(_ValueRec(n0 + k, nbytes, g.BACKWARD, -1, tracer.event, None,
                                    shape, dtype, numel))
     tracer.live_bytes += nbytes
-    key, _ = tracer._watched[ref]
-    tracer._watched[ref] = (key, n0 + k)
-    tracer._by_storage[key] = n0 + k
 
 
 def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:

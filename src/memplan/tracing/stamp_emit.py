@@ -228,3 +228,15 @@ def unwatch(tracer: StepTracer, t: torch.Tensor) -> bool:
         return False
     tracer._by_storage.pop(storage._cdata, None)
     return True
+
+
+def rewatch(tracer: StepTracer, t: torch.Tensor, vid: int) -> bool:
+    """Track ``t``'s storage as value ``vid`` from now on (its death is ``vid``'s): False if
+    it is not tracked."""
+    ref = weakref.ref(t.untyped_storage())
+    entry = tracer._watched.get(ref)
+    if entry is None:
+        return False
+    tracer._watched[ref] = (entry[0], vid)
+    tracer._by_storage[entry[0]] = vid
+    return True
