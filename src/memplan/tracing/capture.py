@@ -41,10 +41,12 @@ def capture_target(target: Target, device: str | None = None, fast: bool = True)
         forward = g.ForwardSpec(n, g.forward_fingerprint([o.target for o in tracer.ops[:n]]),
                                 tuple(result.input_specs), autocast_state(), result.notes)
         graph = build_graph(tracer, target.name, result.output_ids, forward, tracer.user_deaths)
+        tracer.drop_records()
         del result, tracer
-    # One full pass now, over the Graph and whatever the step left: the collector would
-    # otherwise make it during planning (all of it is in the youngest generation).
-    gc.collect()
+        # One full pass now, over the Graph and whatever the step left: the collector would
+        # otherwise make it during planning (all of it is in the youngest generation). Made
+        # while the collector is off: on again, it would first pass over the same objects.
+        gc.collect()
     return graph
 
 

@@ -159,6 +159,14 @@ class StepTracer(AutogradNodes, TorchDispatchMode):  # type: ignore[no-untyped-c
         self._watched[weakref.ref(storage, self._on_free)] = (storage._cdata, -1)
         return vid
 
+    def drop_records(self) -> None:
+        """Free the records once the Graph is built. The tracer sits in a reference cycle (the
+        weakref callbacks it keeps are its own methods), so its records would otherwise wait for
+        the cyclic collector: 1.3 M objects at LSTM T=1024, 0.9 s of CPU. Dropping the weakrefs
+        also means no callback can reach a dropped record later."""
+        self._watched, self._proxy_watch = {}, {}
+        self.ops, self.backward_ops, self.values = [], [], []
+
     def _on_free(self, ref: weakref.ref[Any]) -> None:
         key, vid = self._watched.pop(ref)
         self.frees += 1
