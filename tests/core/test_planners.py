@@ -382,3 +382,22 @@ def test_measured_times_of_one_kind_are_averaged() -> None:
     budget = c.base_bytes + O.least_need(O._Shape.of(O.stage_table(c), True)) + 30
     assert (PLANNERS["optimal"](c, budget, stage_time_s=noisy).schedule
             == PLANNERS["optimal"](c, budget, stage_time_s=mean).schedule)
+
+
+@pytest.mark.parametrize("extra", [0, 5, 60])
+def test_a_starting_cost_changes_nothing_where_the_search_probes(extra: int) -> None:
+    """Near the least need the bound lies far below the optimum, so the search probes; a
+    starting cost caps the probes' top level (``search``). From a cost below the optimum (no
+    plan fits it), at it, or above, the program found is the one found without."""
+    c = uniform_chain(60)
+    shape = O._Shape.of(O.stage_table(c), True)
+    free = O.least_need(shape) + extra
+    plain = O.search(shape, free)
+    assert plain is not None
+    best = plain.point(0, c.n - 1, 0, free)
+    assert best is not None
+    for upper in (int(c.f.sum()), best[0] - 1, best[0], best[0] + 1, 2 * best[0]):
+        started = O.search(shape, free, upper)
+        assert started is not None
+        assert started.point(0, c.n - 1, 0, free) == best
+        assert started.schedule(0, c.n - 1, 0, free) == plain.schedule(0, c.n - 1, 0, free)
