@@ -44,6 +44,9 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     # The paper's LSTM as issue 14 built it: a loop over nn.LSTMCell (68,611 ops at T=1024).
     "cells-lstm1024": ("user:paper-lstmcell", {"steps": 1024}),
     "cells-lstm2048": ("user:paper-lstmcell", {"steps": 2048}),
+    # GNMT's residual stack: its upper layers' chains are left traced (their inputs' gradients
+    # wait from a traced add), the bottom one's stamped.
+    "residual-lstm256": ("user:residual-lstmcell", {"steps": 256}),
 }
 # --warm: a model of the same family, captured first in the process (tests/small.py's configs).
 WARMUP: dict[str, dict[str, Any]] = {
@@ -52,6 +55,7 @@ WARMUP: dict[str, dict[str, Any]] = {
     "real:resnet": {"depth": 14, "batch": 2, "image": 32, "classes": 10},
     "user:emb-lstmcell": {"steps": 3}, "user:emb-grucell": {"steps": 3},
     "user:universal": {"steps": 3}, "user:paper-lstmcell": {"steps": 3},
+    "user:residual-lstmcell": {"steps": 3},
 }
 
 _RUN = """

@@ -54,8 +54,9 @@ class CellLSTM(nn.Module):
     cross-entropy. Issue 14's independent build (plain peak 9.15 GB at T=1024) is this one."""
 
     def __init__(self, inp: int = 50, hidden: int = 1024, layers: int = 4,
-                 classes: int = 5000) -> None:
+                 classes: int = 5000, residual: bool = False) -> None:
         super().__init__()
+        self.residual = residual  # GNMT's stack: each upper layer's input added to its output
         self.cells = nn.ModuleList(nn.LSTMCell(inp if i == 0 else hidden, hidden)
                                    for i in range(layers))
         self.out = nn.Linear(hidden, classes)
@@ -69,7 +70,7 @@ class CellLSTM(nn.Module):
             h = x[t]
             for i, cell in enumerate(self.cells):
                 state[i] = cell(h, state[i])
-                h = state[i][0]
+                h = state[i][0] + h if self.residual and i else state[i][0]
             loss = loss + nn.functional.cross_entropy(self.out(h), y[t], reduction="sum")
         return loss / (steps * batch)
 
@@ -77,11 +78,12 @@ class CellLSTM(nn.Module):
 def build(name: str, steps: int) -> tuple[nn.Module, tuple[torch.Tensor, ...], Any]:
     """(model, inputs, loss_fn) of a loop: ``emb-lstmcell`` / ``emb-grucell`` (``steps``
     tokens, batch 32, width 512), ``universal`` (``steps`` applications, batch 8 x 128 x 256),
-    ``paper-lstmcell`` (``steps`` steps; ``CellLSTM``)."""
+    ``paper-lstmcell`` (``steps`` steps; ``CellLSTM``), ``residual-lstmcell`` (the same with
+    GNMT's residual adds)."""
     torch.manual_seed(0)
-    if name == "paper-lstmcell":
+    if name in ("paper-lstmcell", "residual-lstmcell"):
         x, y = torch.randn(steps, 64, 50), torch.randint(0, 5000, (steps, 64))
-        return CellLSTM(), (x, y), lambda out: out
+        return CellLSTM(residual=name == "residual-lstmcell"), (x, y), lambda out: out
     if name == "universal":
         x = torch.randn(8, 128, 256)
         return Universal(steps, 256), (x,), lambda out: out.square().mean()

@@ -238,8 +238,9 @@ class StackedCells(nn.Module):
     layer i+1's call finds layer i's next step's gradient waiting for its input, and adds onto
     it in the middle of its backward (stamped: the template holds the add). ``residual``: the
     input added to each upper layer's output too, a traced add whose gradient waits for the
-    call (not known to the stamp: it falls back). ``gathered``: the losses taken after the
-    loop, from outputs gathered on the way (read after the next step: not stamped)."""
+    call: the upper layers' chains are left traced, the bottom one's stamped. ``gathered``:
+    the losses taken after the loop, from outputs gathered on the way (read after the next
+    step: not stamped)."""
 
     def __init__(self, kind: str, residual: bool = False, gathered: bool = False) -> None:
         super().__init__()
@@ -402,7 +403,7 @@ CASES: dict[str, tuple[Callable[[], Target], int | None]] = {
     # The paper's LSTM as a loop over stacked cells (issue 14's build): three chains of 4.
     "stacked_lstm_cells": (_stacked("lstm"), 12),
     "stacked_gru_cells": (_stacked("gru"), 12),
-    "stacked_lstm_residual": (_stacked("lstm", residual=True), None),
+    "stacked_lstm_residual": (_stacked("lstm", residual=True), 4),
     "stacked_lstm_gathered": (_stacked("lstm", gathered=True), None),
     "lstm_cell_embedded": (_cells("lstm", embed=True), 4),
     "lstm_cell_shared_input": (_cells("lstm", embed=True, shared=True), 0),

@@ -100,6 +100,16 @@ def edge(t: torch.Tensor) -> Edge:
     return (id(t.grad_fn), t.output_nr)
 
 
+def read_after(node_refs: Sequence[tuple[Any, int]], end: int, edges: Sequence[Edge]) -> bool:
+    """Whether a traced op from ``end`` on (``node_refs``: its node, its index) takes one of
+    ``edges``, a chained call's inputs' (a residual add reading a stacked cell's input). Made
+    after the call, its node's backward runs first: its gradient waits in autograd's buffer
+    for the call's, and no stamped call handed it (``ChainStamper.waiting``)."""
+    wanted = set(edges)
+    return any((id(f), nr) in wanted for node, index in node_refs if index >= end
+               for f, nr in node.next_functions if f is not None)
+
+
 def reads(ops: list[Any], values: set[int]) -> dict[int, list[int]]:
     """The forward ops reading each of ``values``, in order."""
     out: dict[int, list[int]] = {}

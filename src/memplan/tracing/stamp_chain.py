@@ -85,6 +85,7 @@ class Chain:
     emitted: int = 0  # backward ops emitted
     broken: bool = False
     known: chain_emit.Known | None = None  # torch's own cells: what a call makes
+    nodes_at: int = 0  # the tracer's traced nodes when its first call ended
 
 
 class ChainStamper:
@@ -147,6 +148,8 @@ class ChainStamper:
             # Not yet stamped: this call is the template of those after it.
             chain.params, chain.buffers = params, buffers
             return self._learn(chain, module, original, both, key, outer)  # type: ignore[arg-type]
+        if not chain.stamps and self._read_after(chain):
+            return self._traced(chain, original, both)  # stamped, it would fall back
         chain.links = links
         return self._stamp(chain, module, original, flat, spec, outer, params)  # type: ignore[arg-type]
 
@@ -157,6 +160,16 @@ class ChainStamper:
             raise StampMismatch("a chained module called otherwise after a stamp")
         chain.broken = True
         return original(*both[0], **both[1])
+
+    def _read_after(self, chain: Chain) -> bool:
+        """Whether a traced op after the first call reads one of its inputs requiring grad
+        (``chain_links.read_after``)."""
+        tracer = self.tracer
+        if tracer._pending:
+            tracer._hook_pending_nodes()
+        assert chain.first is not None
+        return chain_links.read_after(tracer._node_refs[chain.nodes_at:], chain.first.end,
+                                      chain.first.edges)
 
     def _learn(self, chain: Chain, module: torch.nn.Module, original: Any,
                both: tuple[tuple[Any, ...], dict[str, Any]], key: Any, outer: list[int]) -> Any:
@@ -191,6 +204,7 @@ class ChainStamper:
         edges = [chain_links.edge(a) for a in flat
                  if isinstance(a, torch.Tensor) and a.requires_grad]
         chain.first = chain.last = _Call(op0, v0, outer, outs, len(tracer.ops), edges)
+        chain.nodes_at = len(tracer._node_refs)
         chain.known = chain_emit.known_outputs(module, flat_out)
         chain.made.update(outs)
         return out
