@@ -95,6 +95,13 @@ class AutogradNodes:
         return [t for t in (val if isinstance(val, (tuple, list)) else (val,))
                 if isinstance(t, torch.Tensor)]
 
+    def hooked_nodes(self, start: int = 0) -> list[tuple[Any, int]]:
+        """(node, op index) of traced ops' autograd nodes, from the ``start``-th on (the
+        pending ones hooked first)."""
+        if self._pending:
+            self._hook_pending_nodes()
+        return self._node_refs[start:]
+
     def _hook_pending_nodes(self) -> None:
         """Map recent forward ops to their autograd nodes. An op's node is attached to its
         outputs only after autograd's own bookkeeping (which may dispatch ops, e.g. detach for

@@ -91,6 +91,7 @@ class Call(Protocol):
     op0: int
     outs: list[int]
     edges: list[tuple[int, int]]
+    end: int
 
 
 Edge = tuple[int, int]  # an autograd node's id and an output of it: where a gradient goes
@@ -100,13 +101,13 @@ def edge(t: torch.Tensor) -> Edge:
     return (id(t.grad_fn), t.output_nr)
 
 
-def read_after(node_refs: Sequence[tuple[Any, int]], end: int, edges: Sequence[Edge]) -> bool:
-    """Whether a traced op from ``end`` on (``node_refs``: its node, its index) takes one of
-    ``edges``, a chained call's inputs' (a residual add reading a stacked cell's input). Made
-    after the call, its node's backward runs first: its gradient waits in autograd's buffer
-    for the call's, and no stamped call handed it (``ChainStamper.waiting``)."""
-    wanted = set(edges)
-    return any((id(f), nr) in wanted for node, index in node_refs if index >= end
+def read_after(nodes: Sequence[tuple[Any, int]], call: Call) -> bool:
+    """Whether a traced op after ``call`` (``nodes``: its node, its index) takes one of the
+    call's inputs' edges (a residual add reading a stacked cell's input). Made after the call,
+    its node's backward runs first: its gradient waits in autograd's buffer for the call's,
+    and no stamped call handed it (``ChainStamper.waiting``)."""
+    wanted = set(call.edges)
+    return any((id(f), nr) in wanted for node, index in nodes if index >= call.end
                for f, nr in node.next_functions if f is not None)
 
 

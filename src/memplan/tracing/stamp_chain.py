@@ -148,7 +148,8 @@ class ChainStamper:
             # Not yet stamped: this call is the template of those after it.
             chain.params, chain.buffers = params, buffers
             return self._learn(chain, module, original, both, key, outer)  # type: ignore[arg-type]
-        if not chain.stamps and self._read_after(chain):
+        if not chain.stamps and chain.first is not None and chain_links.read_after(
+                tracer.hooked_nodes(chain.nodes_at), chain.first):
             return self._traced(chain, original, both)  # stamped, it would fall back
         chain.links = links
         return self._stamp(chain, module, original, flat, spec, outer, params)  # type: ignore[arg-type]
@@ -160,16 +161,6 @@ class ChainStamper:
             raise StampMismatch("a chained module called otherwise after a stamp")
         chain.broken = True
         return original(*both[0], **both[1])
-
-    def _read_after(self, chain: Chain) -> bool:
-        """Whether a traced op after the first call reads one of its inputs requiring grad
-        (``chain_links.read_after``)."""
-        tracer = self.tracer
-        if tracer._pending:
-            tracer._hook_pending_nodes()
-        assert chain.first is not None
-        return chain_links.read_after(tracer._node_refs[chain.nodes_at:], chain.first.end,
-                                      chain.first.edges)
 
     def _learn(self, chain: Chain, module: torch.nn.Module, original: Any,
                both: tuple[tuple[Any, ...], dict[str, Any]], key: Any, outer: list[int]) -> Any:
@@ -226,11 +217,9 @@ class ChainStamper:
         tracer = self.tracer
         first, fwd = chain.first, chain.forward
         assert first is not None and fwd is not None
-        if tracer._pending:
-            tracer._hook_pending_nodes()
         n_values = len(tracer.values)
         end = first.op0 + len(fwd.ops)
-        for node, index in tracer._node_refs:
+        for node, index in tracer.hooked_nodes():
             if first.op0 <= index < end:
                 tracer._collect_saved(node, index)
         if len(tracer.values) != n_values:
