@@ -12,14 +12,16 @@ forward (``datadep``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.func import functional_call
+from torch.utils.weak import WeakIdKeyDictionary, WeakIdRef
 
 from memplan.errors import PlanMismatch
 from memplan.tracing import kernels  # noqa: F401  (fake kernels torch lacks, registered)
@@ -71,7 +73,10 @@ def fake_state(fake: FakeTensorMode, model: nn.Module, fast: bool = True
     """Fake copies of the model's parameters (leaves that keep requires_grad, with no grad:
     a step starts from zeroed grads, as after ``optimizer.zero_grad()``) and buffers.
     ``fast``: plain tensors copied by ``fake_copy`` (``False``: all by ``from_tensor``)."""
-    copy = fake_copy if fast and _memo_reachable(fake) else _from_tensor
+    copy = _from_tensor
+    if fast and _memo_reachable(fake):
+        ids = _Ids.of(fake.fake_tensor_converter.meta_converter.describer)
+        copy = functools.partial(fake_copy, ids=ids)
     params: dict[str, torch.Tensor] = {}
     for name, p in model.named_parameters():
         t = copy(fake, p)
@@ -85,40 +90,114 @@ def _from_tensor(fake: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
     return fake.from_tensor(t)
 
 
-def fake_copy(fake: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
+def fake_copy(fake: FakeTensorMode, t: torch.Tensor, ids: _Ids | None = None) -> torch.Tensor:
     """``fake.from_tensor(t)`` for a plain tensor (dense, its storage's own, not a view),
     made directly: torch describes and rebuilds each tensor in Python, over a second of a
     user's ResNet-1000 capture (3,000 parameters and buffers). Remembered where ``from_tensor``
     looks, tensor and storage, so a forward that meets ``t`` or a view of it outside the
-    model's parameters (a plain attribute, a list) gets this copy, as it would have."""
-    converter = fake.fake_tensor_converter
-    known = converter._get_memo(t)
-    if known is not None:
-        return known
+    model's parameters (a plain attribute, a list) gets this copy, as it would have.
+    ``ids``: ``_Ids.of`` the fake mode's describer (made here when not given)."""
+    meta: Any = fake.fake_tensor_converter.meta_converter  # torch internals, typed loosely
+    ids = ids or _Ids.of(meta.describer)
+    tensor_ref = ids.tensor_ref(t)
+    known = ids.tensor_id(tensor_ref)
+    memo = None if known is None else meta.tensor_memo.get(known)
+    if memo is not None:
+        return cast(torch.Tensor, memo)
     if not _plain(t):
         return fake.from_tensor(t)
     storage = t.untyped_storage()
-    meta = converter.meta_converter
-    storage_id = meta.describer.get_storage_id(storage)
+    storage_id = ids.storage_id(storage)
     if storage_id in meta.storage_memo:
         return fake.from_tensor(t)  # a storage another tensor holds: torch's way shares it
-    with unset_fake_temporarily():
+    with torch._C._DisableTorchDispatch():  # a meta tensor, not the fake mode's
         elem = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
     if elem.untyped_storage().nbytes() != storage.nbytes():
         return fake.from_tensor(t)  # a storage larger than the tensor: torch's way keeps it
     out = fake_tensor(fake, elem, t.device, requires_grad=t.requires_grad)
     if type(t) is nn.Parameter:
         out._is_param = True  # as torch marks it: isinstance(out, Parameter) holds
-    converter.set_tensor_memo(t, cast(FakeTensor, out))
+    meta.tensor_memo[ids.new_tensor_id(tensor_ref, known)] = out
     meta.storage_memo[storage_id] = out.untyped_storage()
     return out
+
+
+class _Ids:
+    """The ids ``from_tensor``'s describer gives tensors and storages, which key its memos
+    (``get_tensor_id``/``get_storage_id``), assigned as it assigns them. Its accessors make a
+    weak reference per lookup, and a hit compares two more: seven per tensor copied, the
+    largest share of a ResNet-1000's ``fake_state`` (6,026 tensors). ``_DirectIds`` reads
+    and writes its tables with one reference per tensor and storage."""
+
+    @staticmethod
+    def of(describer: Any) -> _Ids:
+        return _DirectIds(describer) if _direct_tables(describer) else _Ids(describer)
+
+    def __init__(self, describer: Any) -> None:
+        self.describer = describer
+
+    def tensor_ref(self, t: torch.Tensor) -> Any:
+        return t
+
+    def tensor_id(self, ref: Any) -> int | None:
+        """The id of the tensor ``ref`` stands for, if it has one."""
+        return cast(int | None, self.describer.lookup_tensor.get(ref))
+
+    def new_tensor_id(self, ref: Any, known: int | None) -> int:
+        """The tensor's id, given one if it has none (``known``: ``tensor_id``'s answer)."""
+        return cast(int, self.describer.get_tensor_id(ref))
+
+    def storage_id(self, storage: Any) -> int:
+        """The storage's id, given one if it has none."""
+        return cast(int, self.describer.get_storage_id(storage))
+
+
+class _DirectIds(_Ids):
+    """``_Ids`` through the tables' own dicts, keyed by the weak references torch's
+    ``WeakIdKeyDictionary`` keys them by (``_direct_tables`` checks they are)."""
+
+    def tensor_ref(self, t: torch.Tensor) -> Any:
+        return WeakIdRef(t, self.describer.lookup_tensor._remove)
+
+    def tensor_id(self, ref: Any) -> int | None:
+        return cast(int | None, self.describer.lookup_tensor.data.get(ref))
+
+    def new_tensor_id(self, ref: Any, known: int | None) -> int:
+        if known is not None:
+            return known
+        d = self.describer
+        known = d.lookup_tensor.data[ref] = d.next_tensor_id
+        d.next_tensor_id = type(known)(known + 1)
+        return known
+
+    def storage_id(self, storage: Any) -> int:
+        d = self.describer
+        table = d.lookup_storage
+        ref = WeakIdRef(storage, table._remove)
+        found = table.data.get(ref)
+        if found is None:
+            found = table.data[ref] = d.next_storage_id
+            d.next_storage_id = type(found)(found + 1)
+        return cast(int, found)
+
+
+def _direct_tables(describer: Any) -> bool:
+    """Whether the describer's id tables are torch's ``WeakIdKeyDictionary`` as ``_DirectIds``
+    reads them (a dict of ``WeakIdRef`` keys and a removal callback) beside int counters; else
+    ``_Ids`` keeps to its public accessors."""
+    tables = (getattr(describer, "lookup_tensor", None), getattr(describer, "lookup_storage", None))
+    return all(type(table) is WeakIdKeyDictionary and table.ref_type is WeakIdRef
+               and type(getattr(table, "data", None)) is dict and callable(
+                   getattr(table, "_remove", None)) for table in tables) \
+        and all(type(getattr(describer, n, None)) is int
+                for n in ("next_tensor_id", "next_storage_id"))
 
 
 def _plain(t: torch.Tensor) -> bool:
     """No Python attributes (torch forwards some), no view, no special layout or flags."""
     return (type(t) in (torch.Tensor, nn.Parameter) and not t.__dict__ and t._base is None
             and t.is_leaf and t.layout == torch.strided and t.storage_offset() == 0
-            and t.device.type != "meta"
+            and not t.is_meta
             and not (t.is_quantized or t.is_nested or t.is_conj() or t.is_neg()
                      or t.is_inference() or torch._C._functorch.is_functorch_wrapped_tensor(t)))
 
@@ -127,9 +206,10 @@ def _memo_reachable(fake: FakeTensorMode) -> bool:
     """Whether this torch keeps ``from_tensor``'s memos where ``fake_copy`` puts them."""
     converter = getattr(fake, "fake_tensor_converter", None)
     meta = getattr(converter, "meta_converter", None)
-    return (hasattr(converter, "_get_memo") and hasattr(converter, "set_tensor_memo")
-            and hasattr(meta, "storage_memo") and hasattr(getattr(meta, "describer", None),
-                                                          "get_storage_id"))
+    describer = getattr(meta, "describer", None)
+    return (hasattr(meta, "tensor_memo")
+            and hasattr(meta, "storage_memo") and hasattr(describer, "lookup_tensor")
+            and hasattr(describer, "get_tensor_id") and hasattr(describer, "get_storage_id"))
 
 
 def make_fake_in_place(fake: FakeTensorMode, model: nn.Module, device: torch.device
