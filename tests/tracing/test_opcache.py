@@ -1,6 +1,8 @@
 """``FakeOpCache``'s meta-kernel first calls (``_META_FIRST``) make what FakeTensorMode's own
 dispatch makes (its Python decompositions), output for output, first call and cached calls,
-over the layouts and dtypes models feed them."""
+over the layouts and dtypes models feed them; batch norm in training from its closed form
+(``closed_forms``) where that holds, from the meta kernel elsewhere (a size-1 dimension,
+a gradient laid out unlike the input)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from memplan.tracing import closed_forms
 from memplan.tracing.opcache import _META_FIRST, FakeOpCache
 
 A = torch.ops.aten
@@ -22,7 +25,7 @@ LAYOUTS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "transposed": lambda t: t.transpose(0, -1).contiguous().transpose(0, -1),
     "sliced": lambda t: t[::2],  # not dense at all
 }
-SHAPES = [(6, 4, 5, 3), (6, 4, 7), (6, 4)]
+SHAPES = [(6, 4, 5, 3), (6, 4, 7), (6, 4), (6, 4, 1, 3)]
 
 
 def _meta(out: Any) -> list[Any]:
@@ -53,6 +56,9 @@ def _calls(shape: tuple[int, ...], layout: str, dtype: torch.dtype
                                                 save_invstd, True, 1e-5, [True, True, True])),
         (A.native_batch_norm_backward.default, (x(), inp, w, mean, var, save_mean,
                                                 save_invstd, True, 1e-5, [True, False, False])),
+        (A.native_batch_norm_backward.default, (x().contiguous(), inp, None, None, None,
+                                                save_mean, save_invstd, True, 1e-5,
+                                                [True, True, False])),
         (A.threshold_backward.default, (x(), inp, 0.0)),
         (A.threshold_backward.default, (x().contiguous(), inp, 0)),
     ]
@@ -91,3 +97,23 @@ def test_meta_first_calls_take_the_meta_kernel_then_the_entry() -> None:
         cache.call(A.native_batch_norm.default, args, {})
     after = FakeTensorMode.cache_info()
     assert (after.hits, after.misses) == (before.hits, before.misses)  # fake mode untouched
+
+
+def test_training_batch_norm_takes_its_closed_form(monkeypatch: Any) -> None:
+    fake = FakeTensorMode()
+    cache = FakeOpCache(fake)
+    with fake:
+        calls = [(func, args) for func, args in _calls((6, 4, 5, 3), "channels_last",
+                                                        torch.float32)
+                 if func in closed_forms.CLOSED_FORMS
+                 and closed_forms.CLOSED_FORMS[func](args) is not None]
+    assert {func for func, _ in calls} == set(closed_forms.CLOSED_FORMS) and len(calls) == 4
+
+    def decomposed(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the meta kernel's decomposition ran")
+
+    decompositions = torch._decomp.decompositions
+    monkeypatch.setattr(decompositions, "native_batch_norm_helper", decomposed)
+    monkeypatch.setattr(decompositions, "_broadcast_batch_norm_backward", decomposed)
+    for func, args in calls:
+        cache.call(func, args, {})

@@ -32,6 +32,8 @@ from torch._subclasses.fake_tensor import (
 )
 from torch.utils._pytree import tree_leaves
 
+from memplan.tracing.closed_forms import CLOSED_FORMS
+
 _SEEN = object()  # seen once: the next call looks up the entry
 _NEVER = object()  # this key takes the normal path
 _UNCACHED_TAGS = (torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output,
@@ -107,10 +109,14 @@ class FakeOpCache:
     def _meta_first(self, func: Any, args: tuple[Any, ...]) -> tuple[Any, Any]:
         """(output, entry) of a ``_META_FIRST`` op, called without keywords: run as the fake
         mode runs an op on its meta kernel (plain fake tensors of one device, as ``_key`` let
-        through), the entry read off the outputs (fresh tensors: these ops alias nothing)."""
+        through), the entry read off the outputs (fresh tensors: these ops alias nothing);
+        where ``closed_forms`` knows the outputs' layouts, made from those instead."""
         flat: list[Any] = [a for a in tree_leaves(args) if isinstance(a, FakeTensor)]
         if len({a.fake_device for a in flat}) != 1:
             return func(*args), _SEEN
+        closed = self._closed_form(func, args, flat[0].fake_device)
+        if closed is not None:
+            return closed
         with in_kernel_invocation_manager(self.fake):
             raw = func(*args)
         no_device: Any = None  # as the fake mode passes it: these ops take no device argument
@@ -120,15 +126,27 @@ class FakeOpCache:
         entry = _SEEN if any(r is None for r in recipes) else (isinstance(out, tuple), recipes)
         return out, entry
 
+    def _closed_form(self, func: Any, args: tuple[Any, ...], device: torch.device
+                     ) -> tuple[Any, Any] | None:
+        """(output, entry) of ``func`` from the layouts ``closed_forms`` works out (None: it
+        cannot, here)."""
+        form = CLOSED_FORMS.get(func)
+        layouts = None if form is None else form(args)
+        if layouts is None:
+            return None
+        recipes = tuple(_NO_OUTPUT if lay is None else _fresh(lay[0], lay[1], torch.float32,
+                                                              False, device) for lay in layouts)
+        return tuple(self._output(r, args) for r in recipes), (True, recipes)
+
     def _fresh_recipe(self, t: Any) -> tuple[Any, ...] | None:
         """``_recipe`` of a fresh output (None: not one ``_output`` can remake)."""
         if t is None:
-            return (-1, -1, None, None, None, False, False, False, 0, None, None)
+            return _NO_OUTPUT
         if not self._plain(t) or t.storage_offset() != 0 or t.untyped_storage().nbytes() != \
                 _storage_bytes(t.shape, t.stride(), t.element_size()):
             return None
-        return (-1, -1, tuple(t.shape), tuple(t.stride()), t.dtype, t.requires_grad, False,
-                False, 0, t.fake_device, None)
+        return _fresh(tuple(t.shape), tuple(t.stride()), t.dtype, t.requires_grad,
+                      t.fake_device)
 
     def _output(self, recipe: tuple[Any, ...], args: tuple[Any, ...]) -> Any:
         """``FakeTensorMode._get_output_tensor_from_cache_entry`` for shape_env None, from
@@ -255,6 +273,15 @@ def _recipe(info: _DispatchCacheEntryOutputInfo, is_view: bool) -> tuple[Any, ..
     view = int(info.view_idx) if is_view and info.view_idx is not None else -1
     return (inplace, view, tuple(md.shape), tuple(md.stride), md.dtype, md.requires_grad,
             md.is_conj, md.is_neg, md.storage_offset, md.device, None)
+
+
+_NO_OUTPUT = (-1, -1, None, None, None, False, False, False, 0, None, None)  # a None output
+
+
+def _fresh(shape: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype, grad: bool,
+           device: torch.device) -> tuple[Any, ...]:
+    """The recipe of a fresh output: its own storage, from offset 0."""
+    return (-1, -1, shape, stride, dtype, grad, False, False, 0, device, None)
 
 
 def _storage_bytes(shape: Any, stride: Any, itemsize: int) -> int:
