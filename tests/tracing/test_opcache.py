@@ -117,3 +117,25 @@ def test_training_batch_norm_takes_its_closed_form(monkeypatch: Any) -> None:
     monkeypatch.setattr(decompositions, "_broadcast_batch_norm_backward", decomposed)
     for func, args in calls:
         cache.call(func, args, {})
+
+
+def test_a_repeated_call_takes_the_fake_modes_entry_from_its_first(monkeypatch: Any) -> None:
+    """The fake mode runs an op once per key: its second call is made from the entry the
+    first one left, as every later call; the outputs are the fake mode's."""
+    fake = FakeTensorMode()
+    cache = FakeOpCache(fake)
+    with fake:
+        a, b = torch.empty(7, 5), torch.empty(5)
+        want = _meta(A.mul.Tensor(a, b))
+    FakeTensorMode.cache.clear()
+    dispatched = []
+    dispatch = FakeTensorMode.dispatch
+
+    def counted(self: FakeTensorMode, func: Any, *args: Any, **kwargs: Any) -> Any:
+        dispatched.append(func)
+        return dispatch(self, func, *args, **kwargs)
+
+    monkeypatch.setattr(FakeTensorMode, "dispatch", counted)
+    outs = [_meta(cache.call(A.mul.Tensor, (a, b), {})) for _ in range(3)]
+    assert outs == [want] * 3
+    assert dispatched == [A.mul.Tensor]

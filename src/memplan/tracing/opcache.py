@@ -94,11 +94,19 @@ class FakeOpCache:
             out, entry = self._meta_first(func, args)
             self._entries[key] = (func, entry)
             return out
-        if found is None or found is _SEEN:
-            out = func(*args, **kwargs)
-            self._entries[key] = (func, _SEEN if found is None else self._lookup_entry(
-                func, args, kwargs, known[2]))
-            return out
+        if found is None:
+            self._entries[key] = (func, _SEEN)
+            return func(*args, **kwargs)
+        if found is _SEEN:
+            # The fake mode made its entry at the first call: read it now, sparing the fake
+            # mode's dispatch of this call (unless these very arguments have none yet).
+            found = self._lookup_entry(func, args, kwargs, known[2])
+            if found is None:
+                out = func(*args, **kwargs)
+                self._entries[key] = (func, self._lookup_entry(func, args, kwargs, known[2])
+                                      or _NEVER)
+                return out
+            self._entries[key] = (func, found)
         if found is _NEVER:
             return func(*args, **kwargs)
         is_tuple, recipes = found
@@ -208,13 +216,16 @@ class FakeOpCache:
 
     def _lookup_entry(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
                       aliasing: bool) -> Any:
-        """``FakeTensorMode``'s entry for this call, made when it ran it (or _NEVER: it keeps
-        none, having found the op or its output not cacheable)."""
+        """``FakeTensorMode``'s entry for this call, made when it ran it or one like it (None:
+        it has none yet; _NEVER: it keeps none, having found the op or its output not
+        cacheable)."""
         try:
             ftm_key = self.fake._cache_key(_CacheKeyState(None), func, args, kwargs)
         except (_BypassDispatchCache, TypeError):  # it would not cache this call either
             return _NEVER
         entry = FakeTensorMode.cache.get(ftm_key)
+        if entry is None:
+            return None
         if not isinstance(entry, _DispatchCacheValidEntry) or not all(
                 _plain_info(i) for i in entry.output_infos):
             return _NEVER
