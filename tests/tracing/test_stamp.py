@@ -460,3 +460,15 @@ def test_the_op_check_sets_aside_only_clones_before_an_in_place_op() -> None:
     assert chain_links.no_clones(ops) == [
         "aten.addmm.default", "aten.mul_.Tensor", "aten.clone.default", "aten.add.Tensor",
         "aten.clone.default"]
+
+
+@pytest.mark.parametrize("value", [
+    3, 2.5, True, "zeros", None, (1, 1), (3, 3, "same"), (1, (2, 3)), [1, 2], (1, [2, 3]),
+    torch.Size([2, 3]), (1, torch.float32), torch.float32, nn.ReLU(), (), [], (None, False),
+])
+def test_a_structure_attribute_keys_as_the_general_rule(value: Any) -> None:
+    """``_attr_key``'s shortcut for scalars and flat tuples of them gives what the general
+    rule gives (a plain value frozen, anything else by identity)."""
+    general = (stamp.frozen_value(value) if stamp.is_plain(value) else ("id", id(value)))
+    got = stamp._attr_key(value)
+    assert got == general and type(got) is type(general) and hash(got) == hash(general)

@@ -31,6 +31,7 @@ DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64,
     torch.complex128, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8,
     torch.bool)}
+_META = torch.device("meta")
 
 
 def functional_state(model: nn.Module, by_name: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -111,7 +112,7 @@ def fake_copy(fake: FakeTensorMode, t: torch.Tensor, ids: _Ids | None = None) ->
     if storage_id in meta.storage_memo:
         return fake.from_tensor(t)  # a storage another tensor holds: torch's way shares it
     with torch._C._DisableTorchDispatch():  # a meta tensor, not the fake mode's
-        elem = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+        elem = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=_META)
     if elem.untyped_storage().nbytes() != storage.nbytes():
         return fake.from_tensor(t)  # a storage larger than the tensor: torch's way keeps it
     out = fake_tensor(fake, elem, t.device, requires_grad=t.requires_grad)

@@ -56,9 +56,10 @@ class Stamper:
 
     def __init__(self, tracer: StepTracer, root: torch.nn.Module) -> None:
         self.tracer = tracer
-        self.names = {id(m): name for name, m in root.named_modules()}
-        self.units = _units(root)
-        self.chain_units = _chain_units(root, [m for m, _ in self.units])
+        modules = list(root.named_modules())  # walked once: 4,000 modules in a ResNet-1000
+        self.names = {id(m): name for name, m in modules}
+        self.units = _units(root, modules)
+        self.chain_units = _chain_units(modules, self.names, [m for m, _ in self.units])
         self.chains = ChainStamper(self)
         self.templates: dict[tuple[Any, ...], Template | None] = {}
         self.stamped = 0  # calls stamped
@@ -274,17 +275,19 @@ def _dense(shape: Any, stride: Any) -> bool:
     return True
 
 
-def _units(root: torch.nn.Module) -> list[tuple[torch.nn.Module, int]]:
+def _units(root: torch.nn.Module, modules: list[tuple[str, torch.nn.Module]]
+           ) -> list[tuple[torch.nn.Module, int]]:
     """Modules repeated under ``root`` (same structure, hyperparameters and parameter specs),
     with parameters of their own and no hooks: (module, structural key). A unit inside
-    another is stamped only where the outer one is not (its call has two arguments, say)."""
+    another is stamped only where the outer one is not (its call has two arguments, say).
+    ``modules``: ``root.named_modules()``."""
     keys: dict[int, int] = {}
     _structure(root, keys, {})
     counts = Counter(keys.values())
     owners: Counter[int] = Counter(id(p) for _, p in root.named_parameters(remove_duplicate=False))
     calls: Counter[int] = Counter(id(m) for _, m in root.named_modules(remove_duplicate=False))
     units: list[tuple[torch.nn.Module, int]] = []
-    for name, m in root.named_modules():
+    for name, m in modules:
         if not name:
             continue
         # A leaf module is one op or two: not worth a template (and its output's gradient is
@@ -298,16 +301,17 @@ def _units(root: torch.nn.Module) -> list[tuple[torch.nn.Module, int]]:
     return units
 
 
-def _chain_units(root: torch.nn.Module, units: list[torch.nn.Module]) -> list[torch.nn.Module]:
+def _chain_units(modules: list[tuple[str, torch.nn.Module]], names: dict[int, str],
+                 units: list[torch.nn.Module]) -> list[torch.nn.Module]:
     """Modules that may be called again and again on their own outputs (``stamp_chain``):
     not leaves (but torch's RNN cells, many ops each) nor containers, with parameters, no
     hooks, and neither they nor an ancestor of theirs (below the root) a unit or a unit's
-    ancestor: the two stamps never share a top-level subtree."""
-    names = {id(m): name for name, m in root.named_modules()}
+    ancestor: the two stamps never share a top-level subtree. ``modules``: the root's
+    ``named_modules()``; ``names``: their names by id."""
     near: set[str] = set()  # the units' paths and their ancestors'
     for u in units:
         near.update(_paths(names[id(u)]))
-    return [m for name, m in root.named_modules()
+    return [m for name, m in modules
             if name and (m._modules or isinstance(m, torch.nn.RNNCellBase))
             and near.isdisjoint(_paths(name))
             and "forward" not in vars(m) and any(True for _ in m.parameters())
@@ -344,8 +348,8 @@ def _structure(m: torch.nn.Module, keys: dict[int, int], ids: dict[Any, int]) ->
     """What a module's forward may depend on besides its input (class, plain attributes such
     as stride, eps and training, other attributes by identity, parameters' and buffers' specs,
     children), numbered: equal numbers, equal structures. Fills ``keys`` for every module."""
-    attrs = tuple(sorted((k, frozen_value(v) if is_plain(v) else ("id", id(v)))
-                         for k, v in vars(m).items() if k[:1] != "_"))  # keys unique: by key
+    attrs = tuple(sorted((k, _attr_key(v)) for k, v in vars(m).items()
+                         if k[:1] != "_"))  # keys unique: by key
     tensors = tuple((n, tuple(t.shape), t.dtype, t.requires_grad)
                     for n, t in (*m._parameters.items(), *m._buffers.items()) if t is not None)
     children = tuple((n, _structure(c, keys, ids)) for n, c in m._modules.items()
@@ -353,3 +357,15 @@ def _structure(m: torch.nn.Module, keys: dict[int, int], ids: dict[Any, int]) ->
     key = (type(m).__qualname__, type(m).__module__, attrs, tensors, children)
     keys[id(m)] = number = ids.setdefault(key, len(ids))
     return number
+
+
+_SCALARS = frozenset((int, float, bool, str, type(None)))  # is_plain's types, exactly
+
+
+def _attr_key(v: Any) -> Any:
+    """``frozen_value(v)`` of a plain value, else ``("id", id(v))``. Scalars and flat tuples
+    of them (a conv's stride, padding) are their own frozen value: taken as they are, not
+    walked twice (4,000 modules of six such attributes in a ResNet-1000)."""
+    if type(v) in _SCALARS or type(v) is tuple and all(type(x) in _SCALARS for x in v):
+        return v
+    return frozen_value(v) if is_plain(v) else ("id", id(v))
