@@ -139,3 +139,35 @@ def test_a_repeated_call_takes_the_fake_modes_entry_from_its_first(monkeypatch: 
     outs = [_meta(cache.call(A.mul.Tensor, (a, b), {})) for _ in range(3)]
     assert outs == [want] * 3
     assert dispatched == [A.mul.Tensor]
+
+
+def test_keys_read_with_subclass_handling_off_equal_keys_read_through_it(
+        monkeypatch: Any) -> None:
+    """``_direct_reads`` (torch-function subclass handling off while a key reads its
+    arguments, FakeTensor having none of its own) leaves every key and detach as reading
+    through the handling makes them."""
+    from memplan.tracing import opcache
+
+    assert opcache._SUBCLASS_OFF is not None  # this torch's FakeTensor disables its own
+    fake = FakeTensorMode()
+    cache = FakeOpCache(fake)
+    with fake:
+        calls = _calls((6, 4, 5, 3), "channels_last", torch.float32)
+        x = torch.empty(6, 4, 5, 3)[1:].transpose(1, 2)
+    calls += [(A.convolution.default, (x, torch.empty(2, 5, 1, 1), None, [1, 1], [0, 0], [1, 1],
+                                       False, [0, 0], 1)), (A.view.default, (x.contiguous(), [-1]))]
+    calls = [(f, tuple(_fake(a, fake) for a in args)) for f, args in calls]
+
+    def read() -> list[Any]:
+        keys = [cache._key(f, args, {}, aliasing) for f, args in calls for aliasing in (0, 1)]
+        return keys + [_meta(cache._detach(x))]
+
+    direct = read()
+    monkeypatch.setattr(opcache, "_SUBCLASS_OFF", None)
+    assert read() == direct
+    assert all(k is not None for k in direct)
+
+
+def _fake(a: Any, fake: FakeTensorMode) -> Any:
+    return a if not isinstance(a, torch.Tensor) or hasattr(a, "fake_mode") \
+        else fake.from_tensor(a)
