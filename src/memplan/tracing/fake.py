@@ -91,15 +91,14 @@ def _from_tensor(fake: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
     return fake.from_tensor(t)
 
 
-def fake_copy(fake: FakeTensorMode, t: torch.Tensor, ids: _Ids | None = None) -> torch.Tensor:
+def fake_copy(fake: FakeTensorMode, t: torch.Tensor, ids: _Ids) -> torch.Tensor:
     """``fake.from_tensor(t)`` for a plain tensor (dense, its storage's own, not a view),
     made directly: torch describes and rebuilds each tensor in Python, over a second of a
     user's ResNet-1000 capture (3,000 parameters and buffers). Remembered where ``from_tensor``
     looks, tensor and storage, so a forward that meets ``t`` or a view of it outside the
     model's parameters (a plain attribute, a list) gets this copy, as it would have.
-    ``ids``: ``_Ids.of`` the fake mode's describer (made here when not given)."""
+    ``ids``: ``_Ids.of`` the fake mode's describer."""
     meta: Any = fake.fake_tensor_converter.meta_converter  # torch internals, typed loosely
-    ids = ids or _Ids.of(meta.describer)
     tensor_ref = ids.tensor_ref(t)
     known = ids.tensor_id(tensor_ref)
     memo = None if known is None else meta.tensor_memo.get(known)
