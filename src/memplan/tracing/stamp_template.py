@@ -334,8 +334,12 @@ def autocast_key() -> tuple[Any, ...]:
 
 
 def frozen_value(v: Any) -> Any:
-    """A plain value, hashable (lists as tuples)."""
-    return tuple(frozen_value(x) for x in v) if isinstance(v, (list, tuple)) else v
+    """A plain value, hashable and typed: 1, 1.0 and True are equal in Python but not to
+    torch (``torch.full((), v)`` is an int64, a float32 or a bool), so each value is keyed
+    with its type, and a list apart from a tuple."""
+    if isinstance(v, (list, tuple)):
+        return type(v), tuple(frozen_value(x) for x in v)
+    return type(v), v
 
 
 def is_plain(v: Any) -> bool:
