@@ -158,6 +158,17 @@ def test_pruning_and_sharing_keep_the_optimum(c: C.Chain, budget: int) -> None:
     assert cost == full_program(c, free, share=True) == full_program(c, free, share=False)
 
 
+def test_a_gradient_step_after_a_sub_chain_leaves_its_class() -> None:
+    """Equal stages, gradient bytes stepping down after stage 4 (where an LSTM's last steps
+    make the weights' gradients): sub-chains ending at 4 differ from the others only past
+    their end, so they share the others' classes; those reaching past 4 do not."""
+    c = dataclasses.replace(uniform_chain(9), gb=np.array([20] * 5 + [8] * 3 + [0]))
+    cid = O._Shape.of(O.stage_table(c), True).cid
+    for n in (1, 2, 3):  # stage 0 differs (no input gradient to credit): from stage 1
+        assert cid[4 - n + 1, n - 1] == cid[1, n - 1]  # ending at 4
+    assert cid[4, 1] != cid[1, 1] and cid[3, 2] != cid[1, 2]  # 4..5, 3..5: across the step
+
+
 def unit_chain(x: list[int]) -> C.Chain:
     """Stages of one FLOP each, kept bytes x (caps one unit too tight show here)."""
     k, one, zero = len(x), np.ones(len(x), dtype=np.int64), np.zeros(len(x), dtype=np.int64)

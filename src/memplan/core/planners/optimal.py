@@ -95,8 +95,11 @@ class _Shape:
         inner = np.stack([st[F.COST], st[F.X], st[F.XBAR], st[F.DPREV], st[F.TF_IN],
                           st[F.TF0_IN], st[F.NEED_B] - gb, st[F.GF_IN] - gb,
                           np.append(gb[:-1] - gb[1:], 0)])
-        kinds = stage_types(inner) if share else np.arange(st.shape[1], dtype=np.int64)
-        cid, min_gb = classes(kinds, gb)
+        if share:  # a sub-chain's last stage typed without its step to the next (``repeats``)
+            kinds, end_kinds = stage_types(inner), stage_types(inner[:-1])
+        else:
+            kinds = end_kinds = np.arange(st.shape[1], dtype=np.int64)
+        cid, min_gb = classes(kinds, end_kinds, gb)
         return cls(st, cid, min_gb, allow_dc)
 
     def fill(self, free: int, cost_caps: tuple[I64, int] | None) -> _Program:
