@@ -92,11 +92,11 @@ class _Shape:
         """``share``: solve identical sub-chains once (off: every stage its own kind)."""
         # What a sub-chain inside a region depends on, gradient bytes relative to its end.
         gb = st[F.GB]
-        inner = np.stack([st[F.COST], st[F.X], st[F.XBAR], st[F.DPREV], st[F.TF_IN],
-                          st[F.TF0_IN], st[F.NEED_B] - gb, st[F.GF_IN] - gb,
-                          np.append(gb[:-1] - gb[1:], 0)])
-        if share:  # a sub-chain's last stage typed without its step to the next (``repeats``)
-            kinds, end_kinds = stage_types(inner), stage_types(inner[:-1])
+        own = np.stack([st[F.COST], st[F.X], st[F.XBAR], st[F.DPREV], st[F.TF_IN],
+                        st[F.TF0_IN], st[F.NEED_B] - gb, st[F.GF_IN] - gb])
+        step = np.append(gb[:-1] - gb[1:], 0)  # to the next stage: not the last one's concern
+        if share:
+            kinds, end_kinds = stage_types(np.vstack([own, step])), stage_types(own)
         else:
             kinds = end_kinds = np.arange(st.shape[1], dtype=np.int64)
         cid, min_gb = classes(kinds, end_kinds, gb)
