@@ -164,26 +164,26 @@ class Repeated(nn.Module):
         return h
 
 
-class Scaled(nn.Module):
-    """A unit whose input is shifted by a constant tensor made from its ``scale``."""
+class Shifted(nn.Module):
+    """A unit whose input is shifted by a constant tensor made from its ``shift``."""
 
-    def __init__(self, scale: Any) -> None:
+    def __init__(self, shift: Any) -> None:
         super().__init__()
         self.lin = nn.Linear(8, 8)
-        self.scale = scale
+        self.shift = shift
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.relu(self.lin(x + torch.full((), self.scale)))
+        return torch.relu(self.lin(x + torch.full((), self.shift)))
 
 
-class Scales(nn.Module):
-    """Units alike but for a scale of 1, 1.0 or True: equal in Python, not to torch (an
+class Shifts(nn.Module):
+    """Units alike but for a shift of 1, 1.0 or True: equal in Python, not to torch (an
     int64, a float32 and a bool constant)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.embed = nn.Linear(4, 8)
-        self.units = nn.Sequential(*(Scaled(v) for v in (1, 1.0, True)))
+        self.units = nn.Sequential(*(Shifted(v) for v in (1, 1.0, True)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y: torch.Tensor = self.units(self.embed(x.flatten(2).transpose(1, 2)))
@@ -418,7 +418,7 @@ CASES: dict[str, tuple[Callable[[], Target], int | None]] = {
     "lstm_dropout": (lambda: as_target(small("lstm", steps=5, dropout=0.1), (), None), 3),
     "lstm_tied": (_tied, None),
     "repeated": (_user(Repeated), 3),
-    "scales": (_user(Scales), 0),  # three structures, none stamped from another
+    "shifts": (_user(Shifts), 0),  # three structures, none stamped from another
     "counted": (_user(Counted), None),
     "collected": (_user(Collected), None),
     # Models others wrote: torch's RNN cells in a user's loop (the first step traced: its
@@ -502,7 +502,7 @@ def test_a_structure_attribute_keys_as_the_general_rule(value: Any) -> None:
 
 
 def test_equal_values_of_other_types_key_apart() -> None:
-    """1, 1.0 and True are equal in Python but make different tensors (``Scales``); a list is
+    """1, 1.0 and True are equal in Python but make different tensors (``Shifts``); a list is
     not a tuple. Structure attributes and call arguments key them apart."""
     values: list[Any] = [1, 1.0, True, (1, 2), (1.0, 2), [1, 2]]
     attrs = [stamp._attr_key(v) for v in values]
