@@ -190,6 +190,44 @@ class Shifts(nn.Module):
         return y
 
 
+class Pair(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y: torch.Tensor = self.b(torch.relu(self.a(x)))
+        return y
+
+
+class Doubled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pair = Pair()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.pair(x) * 2
+
+
+class OtherDepths(nn.Module):
+    """One unit's calls at other module depths: the first reads the step's input (no grad:
+    traced), the second, inside two modules, is the template, and the third, two levels up,
+    is stamped: its module calls (and so the cut points) are at its own depths."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.inner, self.last = Pair(), nn.Sequential(Doubled()), Pair()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y: torch.Tensor = self.last(self.inner(self.first(x)))
+        return y
+
+
+def _other_depths() -> Target:
+    torch.manual_seed(0)
+    return as_target(OtherDepths(), (torch.randn(4, 8),), lambda out: out.square().mean())
+
+
 class CountingBlock(nn.Module):
     """Counts its calls and takes another path at the fourth."""
 
@@ -419,6 +457,7 @@ CASES: dict[str, tuple[Callable[[], Target], int | None]] = {
     "lstm_tied": (_tied, None),
     "repeated": (_user(Repeated), 3),
     "shifts": (_user(Shifts), 0),  # three structures, none stamped from another
+    "other_depths": (_other_depths, 1),
     "counted": (_user(Counted), None),
     "collected": (_user(Collected), None),
     # Models others wrote: torch's RNN cells in a user's loop (the first step traced: its

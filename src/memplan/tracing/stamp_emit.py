@@ -134,8 +134,10 @@ def emit_forward(tracer: StepTracer, fwd: Forward, path: str, outs: dict[int, to
             rec = values[f0 + k]
             rec.death = op0 + i
             tracer.live_bytes -= rec.nbytes
+    base = len(tracer.module_stack)  # the call's own depth, as when its template was read
     for suffix, start, end, depth, leaf in fwd.calls:
-        tracer.module_calls.append(g.ModuleCall(path + suffix, op0 + start, op0 + end, depth, leaf))
+        tracer.module_calls.append(g.ModuleCall(path + suffix, op0 + start, op0 + end,
+                                                base + depth, leaf))
 
 
 def emit_backward(tracer: StepTracer, bwd: Backward, op0: int, f0: int, outer: list[int],

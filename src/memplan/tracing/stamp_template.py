@@ -48,7 +48,7 @@ class Forward:
     # inputs, outputs, mutated, fwd_flops
     values: list[tuple[int, tuple[int, ...], str, int, int, int | None, int | None]]  # nbytes,
     # shape, dtype, numel, birth, death, death of its own storage (forward)
-    calls: list[tuple[str, int, int, int, bool]]  # path suffix, start, end, depth, leaf
+    calls: list[tuple[str, int, int, int, bool]]  # path suffix, start, end, depth (relative), leaf
     out: int  # the output's forward value
     deaths: dict[int, list[int]] = field(default_factory=dict)  # event -> values (forward)
     more: list[int] = field(default_factory=list)  # further outputs' forward values
@@ -146,10 +146,14 @@ def read_forward(tracer: StepTracer, path: str, op0: int, v0: int, c0: int,
         if v.death is not None:
             fwd.deaths.setdefault(v.death - op0, []).append(v.id - v0)
     fwd.values = values
+    # Depths relative to the call's own (it is on the module stack now, as when a call is
+    # stamped): one unit may be called at other depths (a first block, then others in a list).
+    depth = len(tracer.module_stack)
     for c in tracer.module_calls[c0:]:
         if not absolute and not c.path.startswith(path + "."):
             raise Ineligible(f"module call {c.path}")
-        fwd.calls.append((c.path if absolute else c.path[len(path):], c.start - op0, c.end - op0, c.depth, c.leaf))
+        fwd.calls.append((c.path if absolute else c.path[len(path):], c.start - op0,
+                          c.end - op0, c.depth - depth, c.leaf))
     if any(b is not None and not 0 <= b < n_ops for _, _, _, _, b, _, _ in values):
         raise Ineligible("birth outside the unit")
     return fwd
