@@ -15,14 +15,14 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from memplan.tracing.stamp_template import StampMismatch, autocast_key, frozen_value, is_plain
 
-_RESHAPES = frozenset(("aten.view.default", "aten._unsafe_view.default"))
+RESHAPES = frozenset(("aten.view.default", "aten._unsafe_view.default"))
 
 
 def reshaped(ops: list[Any], out: int) -> bool:
     """Whether the first of ``ops`` (those after the chain) to read the last call's output
     ``out`` reshapes it: autograd then hands the call a gradient that is a view (a head's
     matmul, reshaped back)."""
-    return next((op.target for op in ops if out in op.inputs), None) in _RESHAPES
+    return next((op.target for op in ops if out in op.inputs), None) in RESHAPES
 
 
 def no_clones(targets: list[str]) -> list[str]:

@@ -11,15 +11,17 @@ of its own (no weights registered twice), no hooks, called once, whose first cal
 (``stamp_template``) read nothing from outside it. Anything else is traced as before.
 Whatever a stamped call meets that its template did not foresee raises ``StampMismatch`` and
 the capture runs again, unstamped: a tracked tensor dies while it runs; its incoming gradient
-is a view, has other strides, or is shared and added to inside the unit; its backward never
-runs; a weight of it gets gradients from elsewhere too; a first call's own backward is not its
-side run's (``stamp_check``). ``benchmarks/capture_stamp_zoo.py`` compares every zoo entry.
+has other strides, is a view whose storage outlives the call (its base held elsewhere too), or
+is shared and added to inside the unit; its backward never runs; a weight of it gets
+gradients from elsewhere too; a first call's own backward is not its side run's
+(``stamp_check``). ``benchmarks/capture_stamp_zoo.py`` compares every zoo entry.
 A module called again and again on its own outputs, with the same weights each time (an
 unrolled LSTM's step, one block applied repeatedly), is stamped by ``stamp_chain``.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -28,7 +30,7 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from memplan.tracing import stamp_emit
+from memplan.tracing import chain_links, stamp_emit
 from memplan.tracing.stamp_chain import ChainStamper
 from memplan.tracing.stamp_check import foresaw
 from memplan.tracing.stamp_template import (
@@ -72,6 +74,8 @@ class Stamper:
         # Keys whose first call's consumers are not read yet: (ops then, its output value)
         self._unread: dict[tuple[Any, ...], tuple[int, int]] = {}
         self._called: set[int] = set()  # units called so far (a second call shares weights)
+        # Incoming gradients that are views: (their storage's death, [event due, event seen])
+        self._views: list[tuple[weakref.ref[Any], list[int]]] = []
 
     @contextmanager
     def installed(self) -> Iterator[None]:
@@ -135,8 +139,14 @@ class Stamper:
         if any(v is None for v in outer):
             return original(x)
         self.stamped += 1
-        return stamp_emit.Unit.apply(  # type: ignore[no-untyped-call]
+        out = stamp_emit.Unit.apply(  # type: ignore[no-untyped-call]
             self, template, module, original, outer, x, *params)
+        # Ops autograd runs to accumulate into the parameters' grads are no op's backward, as
+        # in a traced call (the tracer hooks the accumulation nodes after its ops' nodes).
+        for node, _ in out.grad_fn.next_functions:
+            if node is not None and type(node).__name__ == "AccumulateGrad":
+                self.tracer._hook(node, -1)
+        return out
 
     def _learn(self, full: tuple[Any, ...], module: torch.nn.Module,
                original: Callable[..., Any], x: torch.Tensor, params: list[torch.Tensor]) -> Any:
@@ -217,11 +227,14 @@ class Stamper:
 
     def _read_consumers(self, full: tuple[Any, ...], template: Template) -> Template | None:
         """Before the first stamp of a key: how the first call's output was consumed since.
-        A view of it (a linear layer's reshape) or a concatenation (a U-Net's skip) hands the
-        unit a gradient that is a view, which no template foresees: the capture would fall
-        back, so the key is not stamped."""
+        A concatenation (a U-Net's skip) hands the unit a slice of a larger gradient, and a
+        view other than a reshape (a transpose) one laid out otherwise, which no template
+        foresees: the capture would fall back, so the key is not stamped. A reshape (a linear
+        layer's on 3-d input) hands a view of a gradient nothing else holds, which dies with
+        it, as the template has it (``watch_view`` checks)."""
         start, out = self._unread.pop(full)
-        if any(out in op.inputs and (op.target in _VIEW_GRADS or not (op.outputs or op.mutated))
+        if any(out in op.inputs and (op.target in _VIEW_GRADS or not (
+                op.outputs or op.mutated or op.target in chain_links.RESHAPES))
                for op in self.tracer.ops[start:]):
             self.templates[full] = None
             return None
@@ -246,11 +259,25 @@ class Stamper:
                         raise StampMismatch(f"op {op0 + k} saved {ops[op0 + k].saved}, "
                                             f"its side run {saved}")
 
+    def watch_view(self, grad: torch.Tensor) -> None:
+        """A stamped call's incoming gradient, a view, whose death its template put where a
+        fresh gradient's would be: its storage must die when autograd drops it, at the end of
+        the call's backward, with no event between (else its base was held elsewhere too)."""
+        tracer = self.tracer
+        seen = [tracer.event, -1]
+
+        def died(_: Any) -> None:
+            seen[1] = tracer.event
+        self._views.append((weakref.ref(grad.untyped_storage(), died), seen))
+
     def finish(self) -> None:
         """Every stamped call's backward must have run (saves of a node that never ran die
         when the graph does: the template does not know when)."""
         if self.backward_done != self.stamped:
             raise StampMismatch(f"{self.stamped - self.backward_done} stamped backwards never ran")
+        if any(due != seen for _, (due, seen) in self._views):
+            raise StampMismatch("a stamped call's incoming gradient, a view, outlived the call")
+        self._views.clear()
         self.chains.finish()
         # The first call's traced backward checks the one backward its stamped calls emitted
         # (its side run's, or one for another incoming layout: then the first call met it too).

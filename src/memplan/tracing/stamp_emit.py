@@ -13,6 +13,7 @@ template's node that saved them is released, as autograd would hold them.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -76,7 +77,7 @@ class Unit(torch.autograd.Function):
         ctx.state = None
         bwd = stamper.backward_for(template, grads[0])
         made = emit_backward(stamper.tracer, bwd, op0, f0, outer, grads[0],
-                             _by_release(bwd, proxies), ctx.specs)
+                             _by_release(bwd, proxies), ctx.specs, stamper.watch_view)
         stamper.backward_done += 1
         # Each parameter's grad must end as handed (nothing else adds to it): ``finish``.
         stamper.handed.extend((p, stamper.tracer._lookup(made[k + 1]))
@@ -142,20 +143,25 @@ def emit_forward(tracer: StepTracer, fwd: Forward, path: str, outs: dict[int, to
 
 def emit_backward(tracer: StepTracer, bwd: Backward, op0: int, f0: int, outer: list[int],
                   grad: Any, proxies: dict[int, list[torch.Tensor]],
-                  specs: list[tuple[torch.device, torch.dtype]]) -> dict[int, torch.Tensor]:
+                  specs: list[tuple[torch.device, torch.dtype]],
+                  watch_view: Callable[[torch.Tensor], None]) -> dict[int, torch.Tensor]:
     """A template's backward records for one call, starting after the current event;
-    returns the gradients to hand on, by position among (input, *params)."""
+    returns the gradients to hand on, by position among (input, *params). ``watch_view``:
+    called with the incoming gradient where it is a view whose death the template claims."""
     gvid = tracer._lookup(grad) if isinstance(grad, torch.Tensor) else None
     # The incoming gradient: autograd alone holds it (then it dies after the unit's first op,
     # as templated), or also another node's input buffer (add's backward hands one tensor to
     # both branches: then it outlives the unit, tracked as any tensor; never accumulated into
     # inside the unit then: autograd accumulates in place only into a tensor nothing else
-    # holds). Never a view (its base's holder decides when it dies); its strides decide how
-    # autograd reshapes it: the template's.
+    # holds). Or a view (a linear layer's gradient on 3-d input, reshaped back): its storage
+    # dies when autograd drops it if nothing else holds its base, as a fresh gradient would;
+    # ``watch_view`` checks that when it dies. Its strides decide how autograd reshapes it:
+    # the template's.
     shared = gvid is not None and grad._use_count() > 1
     holders = torch._C._storage_Use_Count(grad.untyped_storage()._cdata) - 1  # this call's
+    view = isinstance(grad, torch.Tensor) and grad._is_view()
     if gvid is None or tracer._proxies.get(gvid) or tensor_spec(grad) != bwd.incoming_spec \
-            or grad._is_view() or holders > grad._use_count() \
+            or (holders > grad._use_count() and not view) \
             or (shared and not bwd.incoming_read_only) or not (shared or unwatch(tracer, grad)):
         raise StampMismatch("the incoming gradient is not one the template foresaw")
     incoming = -1 - len(outer)
@@ -198,6 +204,8 @@ def emit_backward(tracer: StepTracer, bwd: Backward, op0: int, f0: int, outer: l
             tracer.live_bytes -= rec.nbytes
         proxies.pop(r, None)  # the proxies' own callbacks record the deaths, at this event
     tracer._grad_of = op0 + bwd.last_grad_of
+    if view and not shared:
+        watch_view(grad)  # due when autograd drops it: after this event
     return made
 
 
