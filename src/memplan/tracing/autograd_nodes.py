@@ -127,11 +127,16 @@ class AutogradNodes:
                 if id(node) in self._hooked_nodes:
                     continue
                 self._hook(node, index)
-                for nxt, _ in node.next_functions:
-                    if nxt is not None and type(nxt).__name__ == "AccumulateGrad":
-                        self._hook(nxt, -1)
+                self.hook_accumulations(node)
             if waiting:
                 self._pending.append((index, waiting, tries + 1))
+
+    def hook_accumulations(self, node: Any) -> None:
+        """Hook the nodes accumulating into leaves' grads that ``node`` feeds: what they run
+        is no forward op's backward (``<accumulate>``)."""
+        for nxt, _ in node.next_functions:
+            if nxt is not None and type(nxt).__name__ == "AccumulateGrad":
+                self._hook(nxt, -1)
 
     def _hook(self, node: Any, index: int) -> None:
         if id(node) in self._hooked_nodes:

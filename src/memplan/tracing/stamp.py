@@ -141,11 +141,7 @@ class Stamper:
         self.stamped += 1
         out = stamp_emit.Unit.apply(  # type: ignore[no-untyped-call]
             self, template, module, original, outer, x, *params)
-        # Ops autograd runs to accumulate into the parameters' grads are no op's backward, as
-        # in a traced call (the tracer hooks the accumulation nodes after its ops' nodes).
-        for node, _ in out.grad_fn.next_functions:
-            if node is not None and type(node).__name__ == "AccumulateGrad":
-                self.tracer._hook(node, -1)
+        self.tracer.hook_accumulations(out.grad_fn)  # the parameters', as a traced call's
         return out
 
     def _learn(self, full: tuple[Any, ...], module: torch.nn.Module,
