@@ -4,6 +4,7 @@ units that only look repeated (a stride change, shared weights) are traced, not 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import fields
 from typing import Any
@@ -267,6 +268,44 @@ class OtherDepths(nn.Module):
         return y
 
 
+class PartialGELU(nn.Module):
+    """Hugging Face's ``GELUTanh``: an activation holding a partial of its own."""
+
+    def __init__(self, approximate: str) -> None:
+        super().__init__()
+        self.act = functools.partial(nn.functional.gelu, approximate=approximate)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y: torch.Tensor = self.act(x)
+        return y
+
+
+class PartialMLP(nn.Module):
+    def __init__(self, approximate: str) -> None:
+        super().__init__()
+        self.up, self.act, self.down = nn.Linear(8, 16), PartialGELU(approximate), nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y: torch.Tensor = self.down(self.act(self.up(x)))
+        return y
+
+
+class PartialMLPs(nn.Module):
+    """MLPs whose activations are partials made per module, alike but for the last one's
+    argument: the first three are one structure, the last another. The first reads the
+    embedding's output, the next two a view (a linear layer's on 3-d input): the third call
+    is stamped from the second."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(4, 8)
+        self.units = nn.Sequential(*(PartialMLP(a) for a in ("tanh", "tanh", "tanh", "none")))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y: torch.Tensor = self.units(self.embed(x.flatten(2).transpose(1, 2)))
+        return y
+
+
 def _other_depths() -> Target:
     torch.manual_seed(0)
     return as_target(OtherDepths(), (torch.randn(4, 8),), lambda out: out.square().mean())
@@ -505,6 +544,7 @@ CASES: dict[str, tuple[Callable[[], Target], int | None]] = {
     "view_grad_held_elsewhere": (_user(ViewHeldElsewhere), None),
     "view_grad_of_a_concatenation": (_user(ConcatenatedAfter), None),
     "other_depths": (_other_depths, 1),
+    "partial_activations": (_user(PartialMLPs), 1),
     "counted": (_user(Counted), None),
     "collected": (_user(Collected), None),
     # Models others wrote: torch's RNN cells in a user's loop (the first step traced: its
@@ -616,3 +656,17 @@ def test_equal_values_of_other_types_key_apart() -> None:
     attrs = [stamp._attr_key(v) for v in values]
     frozen = [stamp.frozen_value(v) for v in values]
     assert len(set(attrs)) == len(values) and len(set(frozen)) == len(values)
+
+
+def test_partials_key_by_function_and_arguments() -> None:
+    """A partial of plain arguments is a plain value: two made alike key alike; another
+    argument or another function keys apart; one of a tensor is no plain value."""
+    def gelu(approximate: str) -> Any:
+        return functools.partial(nn.functional.gelu, approximate=approximate)
+
+    assert stamp.is_plain(gelu("tanh"))
+    assert stamp.frozen_value(gelu("tanh")) == stamp.frozen_value(gelu("tanh"))
+    assert stamp.frozen_value(gelu("tanh")) != stamp.frozen_value(gelu("none"))
+    other = functools.partial(nn.functional.silu, approximate="tanh")
+    assert stamp.frozen_value(other) != stamp.frozen_value(gelu("tanh"))
+    assert not stamp.is_plain(functools.partial(torch.add, torch.ones(1)))

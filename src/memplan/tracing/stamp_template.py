@@ -340,16 +340,23 @@ def autocast_key() -> tuple[Any, ...]:
 def frozen_value(v: Any) -> Any:
     """A plain value, hashable and typed: 1, 1.0 and True are equal in Python but not to
     torch (``torch.full((), v)`` is an int64, a float32 or a bool), so each value is keyed
-    with its type, and a list apart from a tuple."""
+    with its type, and a list apart from a tuple. A partial: its function by identity."""
     if isinstance(v, (list, tuple)):
         return type(v), tuple(frozen_value(x) for x in v)
+    if type(v) is functools.partial:
+        return (functools.partial, id(v.func), frozen_value(v.args),
+                frozen_value(tuple(sorted(v.keywords.items()))))
     return type(v), v
 
 
 def is_plain(v: Any) -> bool:
-    """Whether ``v`` is a plain value (or a list or tuple of them), compared by value."""
+    """Whether ``v`` is a plain value (or a list or tuple of them), compared by value; or a
+    function's partial of plain arguments (an activation with its own, made per module:
+    Hugging Face's ``GELUTanh``), whose function compares by identity."""
     if isinstance(v, _PLAIN):
         return True
+    if type(v) is functools.partial:
+        return is_plain(v.args) and is_plain(tuple(v.keywords.values()))
     return isinstance(v, (tuple, list)) and all(is_plain(x) for x in v)
 
 
