@@ -306,6 +306,23 @@ class PartialMLPs(nn.Module):
         return y
 
 
+class HeadedMLPs(nn.Module):
+    """A user's MLP stack with a linear head right after its last block (no final norm), on
+    3-d input: the last block's gradient is the head's, reshaped back, a view. Before views
+    were foreseen, the capture fell back, unstamped. (The first block reads the embedding's
+    output, not a view: the second is the template, the last four are stamped.)"""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(4, 8)
+        self.blocks = nn.Sequential(*(Pair() for _ in range(6)))
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y: torch.Tensor = self.head(self.blocks(self.embed(x.flatten(2).transpose(1, 2))))
+        return y
+
+
 def _other_depths() -> Target:
     torch.manual_seed(0)
     return as_target(OtherDepths(), (torch.randn(4, 8),), lambda out: out.square().mean())
@@ -544,6 +561,7 @@ CASES: dict[str, tuple[Callable[[], Target], int | None]] = {
     "view_grad_held_elsewhere": (_user(ViewHeldElsewhere), None),
     "view_grad_of_a_concatenation": (_user(ConcatenatedAfter), None),
     "other_depths": (_other_depths, 1),
+    "headed_mlps": (_user(HeadedMLPs), 4),
     "partial_activations": (_user(PartialMLPs), 1),
     "counted": (_user(Counted), None),
     "collected": (_user(Collected), None),
