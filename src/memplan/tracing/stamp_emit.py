@@ -159,7 +159,7 @@ def emit_backward(tracer: StepTracer, bwd: Backward, op0: int, f0: int, outer: l
     # the template's.
     shared = gvid is not None and grad._use_count() > 1
     holders = torch._C._storage_Use_Count(grad.untyped_storage()._cdata) - 1  # this call's
-    view = isinstance(grad, torch.Tensor) and grad._is_view()
+    view = grad._is_view()
     if gvid is None or tracer._proxies.get(gvid) or tensor_spec(grad) != bwd.incoming_spec \
             or (holders > grad._use_count() and not view) \
             or (shared and not bwd.incoming_read_only) or not (shared or unwatch(tracer, grad)):
