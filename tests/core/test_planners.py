@@ -262,6 +262,33 @@ def test_a_probing_search_returns_the_unpruned_schedule(extra: int,
     assert found.schedule(0, c.n - 1, 0, free) == full.schedule(0, c.n - 1, 0, free)
 
 
+@pytest.mark.parametrize("extra", [2, 5, 20])
+def test_a_probes_plan_above_its_slack_is_proved_by_one_last_fill(
+        extra: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A probe (bodies' slack small, top level's PROBE_TOP times larger) finds a plan costing
+    more than its bodies' slack above the bound: one last fill, every slack that plan's, keeps
+    every cheaper plan, and its optimum and schedule are the full program's."""
+    c = uniform_chain(60)
+    shape = O._Shape.of(O.stage_table(c), True)
+    free = O.least_need(shape) + extra
+    fills: list[tuple[int, int] | None] = []
+    fill = O._Shape.fill
+
+    def spy(self: O._Shape, free: int, caps: tuple[np.ndarray, int] | None) -> O._Program:
+        fills.append(None if caps is None else (int(caps[0][0]), int(caps[1])))
+        return fill(self, free, caps)
+
+    monkeypatch.setattr(O._Shape, "fill", spy)
+    found = O.search(shape, free)
+    assert found is not None and None not in fills
+    *_, (probe_top, probe_inner), (last_top, last_inner) = fills  # type: ignore[misc]
+    assert probe_top - probe_inner > last_top - last_inner  # the probe's top level: larger
+    assert last_inner > probe_inner  # the proof's bodies' slack: the plan's, above the probe's
+    full = shape.fill(free, None)
+    assert found.point(0, c.n - 1, 0, free) == full.point(0, c.n - 1, 0, free)
+    assert found.schedule(0, c.n - 1, 0, free) == full.schedule(0, c.n - 1, 0, free)
+
+
 def _runs(items: tuple[S.Item, ...]) -> int:
     """Stage runs of a schedule, replays included."""
     return sum(it.end - it.start + 1 + _runs(it.body) if isinstance(it, S.Region) else 1

@@ -42,7 +42,7 @@ INF = float("inf")
 SLACK_START = 32  # the first search allows 1/32 of a forward pass above the lower bound
 COARSE_STAGES = 100  # the plan whose cost starts the exact search (``upper_cost``)
 LEAST_PEAK_TOLERANCE = 1024  # without a budget: the least peak to 1/1024 of the plain one
-PROBE_TOP = 32  # a probe's top-level slack, in multiples of its bodies' (``search``)
+PROBE_TOP = 256  # a probe's top-level slack, in multiples of its bodies' (``search``)
 MAX_NESTING = 100  # deeper plans recompute stages 100+ times; chain._run etc. recurse per level
 COST_BITS = 18  # plan_optimal counts costs in units of 2**-18 of the forward (``cost_units``)
 LEAST_PEAK_CACHED = 8  # least-peak schedules remembered (``least_peak_schedule``)
@@ -168,16 +168,19 @@ def _cost_caps(shape: _Shape, bounds: tuple[float, F64], slack: int,
 def search(shape: _Shape, free: int, upper: int | None = None) -> _Program | None:
     """The program at ``free`` bytes whose root point is the optimum; None: nothing fits.
     Costs are capped at the lower bound plus a slack (the caps never cut a plan within
-    them, so the first plan found within them is optimal); when they cut every plan the
-    slack doubles. From the second miss on, the bound is far below the optimum (it ignores
-    nesting, and a fill's cost grows with its slack), so each fill is a probe: the bodies'
-    slack as before, the top level's ``PROBE_TOP`` times larger. A plan a probe finds is
-    optimal if it lies within the slack (every plan that does is in the probe), else its
-    cost is the slack of one last fill, which keeps it and so finds the optimum.
+    them, so the first plan found within them is optimal). When the first two caps cut every
+    plan, the bound is far below the optimum (it ignores nesting): probes look for a plan,
+    their bodies' slack the first caps' and doubled while none is found, their top level's
+    ``PROBE_TOP`` times larger. Why: a fill's time grows with its bodies' slack far faster
+    than with its top level's (LSTM T=1024 at 0.5 GB: bodies 1/32 of a forward pass, top 8,
+    0.15 s, finding the optimum; bodies 1/8, top 4, 0.5 s). A smaller first slack finds
+    worse plans, dearer to prove (ResNet-1000 at its least peak: 1/64, 0.45 of a forward
+    pass above the bound, against 0.25 at 1/32). A plan a probe finds is optimal if it
+    lies within the bodies' slack (every plan that does is in the probe), else its cost is
+    the slack of one last fill, which keeps it and so finds the optimum.
     ``upper``: the cost of a plan thought to fit; the first slack, and a probe's top-level
-    slack, are at most what keeps it (smaller caps, a faster fill: the LSTMCell loop at
-    T=1024 and 0.5 GB, its probe 1.48 -> 1.22 s); if a fill that keeps it finds none, it does
-    not fit and the search goes on without it."""
+    slack, are at most what keeps it (smaller caps, a faster fill); if a fill that keeps it
+    finds none, it does not fit and the search goes on without it."""
     k = shape.st.shape[1]
     forward = int(shape.st[F.COST].sum())
     total = forward + int(shape.st[F.CHEAP].sum())
@@ -187,27 +190,31 @@ def search(shape: _Shape, free: int, upper: int | None = None) -> _Program | Non
     ceiling = None if upper is None else max(1, upper - forward - int(bounds[0]) + 1)
     if ceiling is not None:
         slack = min(slack, ceiling)
-    checked = probing = False
+    for caps in (slack, 2 * slack):  # mostly the bound is close: the optimum within these
+        prog = shape.fill(free, _cost_caps(shape, bounds, caps))
+        if prog.point(0, k - 1, 0, free) is not None:
+            return prog
+        if caps == slack and least_need(shape) > free:
+            return None
+        if ceiling is not None and caps >= ceiling:
+            ceiling = None  # the upper plan does not fit after all
+    inner = slack
     while True:
-        unbounded = slack > (k + 1) * max(total, 1)
-        top_slack = PROBE_TOP * slack if probing and not unbounded else None
-        if top_slack is not None and ceiling is not None:
-            top_slack = min(top_slack, max(slack, ceiling))
-        prog = shape.fill(free, None if unbounded else _cost_caps(shape, bounds, slack,
-                                                                 top_slack))
+        unbounded = inner > (k + 1) * max(total, 1)
+        top = PROBE_TOP * inner if ceiling is None else min(PROBE_TOP * inner,
+                                                            max(inner, ceiling))
+        prog = shape.fill(free, None if unbounded else _cost_caps(shape, bounds, inner, top))
         hit = prog.point(0, k - 1, 0, free)
         if hit is not None:
             over = hit[0] - forward - int(bounds[0])  # its recomputation above the bound
-            if top_slack is None or over <= slack:
+            if unbounded or over <= inner:
                 return prog
-            slack, probing = over, False
-            continue
-        if unbounded or (not checked and least_need(shape) > free):
+            return shape.fill(free, _cost_caps(shape, bounds, over))
+        if unbounded:
             return None
-        if ceiling is not None and slack >= ceiling:
+        if ceiling is not None and inner >= ceiling:
             ceiling = None  # the upper plan does not fit after all
-        probing, checked = checked, True
-        slack *= 2
+        inner *= 2
 
 
 def schedule_cost(st: I64, items: tuple[Item, ...]) -> int:
