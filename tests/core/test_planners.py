@@ -274,9 +274,10 @@ def test_a_probes_plan_above_its_slack_is_proved_by_one_last_fill(
     fills: list[tuple[int, int] | None] = []
     fill = O._Shape.fill
 
-    def spy(self: O._Shape, free: int, caps: tuple[np.ndarray, int] | None) -> O._Program:
+    def spy(self: O._Shape, free: int, caps: tuple[np.ndarray, int] | None,
+            *by_need: object) -> O._Program:
         fills.append(None if caps is None else (int(caps[0][0]), int(caps[1])))
-        return fill(self, free, caps)
+        return fill(self, free, caps, *by_need)  # type: ignore[arg-type]
 
     monkeypatch.setattr(O._Shape, "fill", spy)
     found = O.search(shape, free)

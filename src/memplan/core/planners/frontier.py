@@ -253,13 +253,41 @@ def _store(pool: I64, used: int, buf: I64, n: int, base: int) -> tuple[I64, int]
 
 
 @jit
+def _within(buf: I64, n: int, base: int, caps: I64, off: int, cnt: int) -> int:
+    """Keeps the points of buf (needs absolute; base: the row's) costing at most the cap at
+    their need (caps[off : off + cnt]: a step function by need, relative); below its least
+    need no plan fits. Returns the count kept."""
+    w, j = 0, -1
+    for i in range(n):
+        while j + 1 < cnt and caps[off + j + 1, 0] <= buf[i, 0] - base:
+            j += 1
+        if j < 0 or buf[i, 1] > caps[off + j, 1]:
+            continue
+        buf[w] = buf[i]
+        w += 1
+    return w
+
+
+@jit
+def _most(caps: I64, ctab: I64, row: int) -> int:
+    """The highest cap of a row (BIG: none given); caps fall with need."""
+    most = -1
+    for dr in range(2):
+        if ctab[row, dr, 1] > 0:
+            most = max(most, caps[ctab[row, dr, 0], 1])
+    return BIG if ctab[row, 0, 1] == 0 and ctab[row, 1, 1] == 0 else most
+
+
+@jit
 def fill(st: I64, cid: I32, cls_cap: I64, mcap: int, top_cost_cap: I64, inner_slack: int,
-         allow_dc: bool) -> tuple[I64, I64]:
+         allow_dc: bool, caps: I64, ctab: I64) -> tuple[I64, I64]:
     """Every subproblem's frontier, shortest sub-chains first. Returns (pool, tab): pool holds
     the points (n x 3: need, cost, choice), tab[row, dr] = (offset, count) (rows: ``ref``).
 
     cls_cap[c]: a class's largest useful need (relative); mcap: the top level's. Costs kept:
-    <= top_cost_cap[s] for the suffix from s, <= cost(s..t) + inner_slack inside regions."""
+    <= top_cost_cap[s] for the suffix from s, <= cost(s..t) + inner_slack inside regions, and
+    <= the caps by need of the row where ctab gives some (``priced.caps_by_need``; ctab with
+    no rows: none)."""
     k = st.shape[1]
     n_cls = cls_cap.shape[0]
     fpre = np.zeros(k + 1, np.int64)
@@ -283,6 +311,9 @@ def fill(st: I64, cid: I32, cls_cap: I64, mcap: int, top_cost_cap: I64, inner_sl
             top = t == k - 1
             cap = mcap if top else cls_cap[row] + base
             cost_cap = top_cost_cap[s] if top else fpre[t + 1] - fpre[s] + inner_slack
+            by_need = row < ctab.shape[0] and (ctab[row, 0, 1] > 0 or ctab[row, 1, 1] > 0)
+            if by_need:
+                cost_cap = min(cost_cap, _most(caps, ctab, row))
             g = 0 if top else st[GF_IN, t]  # gradient bytes held while a region replays
             rrow, rsh = ref(cid, st[GB], n_cls, s + 1, t)
             ro, rn = tab[rrow, 1, 0], tab[rrow, 1, 1]
@@ -291,6 +322,8 @@ def fill(st: I64, cid: I32, cls_cap: I64, mcap: int, top_cost_cap: I64, inner_sl
                                             cost_cap, allow_dc, env, tmp, mix)
                 nk, env, tmp = _regions(st, cid, n_cls, tab, pool, s, t, last[s], g, cap,
                                         cost_cap, env, nk, tmp)
+                if by_need:
+                    nk = _within(env, nk, 0, caps, ctab[row, 1, 0], ctab[row, 1, 1])
                 tab[row, 1, 0] = used
                 pool, used = _store(pool, used, env, nk, 0)
                 tab[row, 1, 1] = nk
@@ -306,11 +339,14 @@ def fill(st: I64, cid: I32, cls_cap: I64, mcap: int, top_cost_cap: I64, inner_sl
                                              cost_cap, allow_dc, cand, tmp, mix)
                 mix = _room(mix, nk + ne)
                 w = _envelope(cand, nk, env, ne, mix)
+                if by_need:
+                    w = _within(mix, w, base, caps, ctab[row, dr, 0], ctab[row, dr, 1])
                 tab[row, dr, 0], tab[row, dr, 1] = used, w
                 pool, used = _store(pool, used, mix, w, base)
         for s in range(k - n):  # bodies of n stages are known now
             row, _ = ref(cid, st[GB], n_cls, s, s + n - 1)
-            if tab[row, 0, 1] > 0:
+            # One cut by its caps alone may be longer by a stage and not: only by bytes.
+            if tab[row, 0, 1] > 0 or row < ctab.shape[0]:
                 last[s] = s + n - 1
     return pool[:used], tab
 

@@ -1,0 +1,180 @@
+"""Caps by free bytes for every subproblem of the optimal planner's program, from a relaxation
+priced by ``body_bounds``: the proof of optimality at tight budgets (``optimal.search``).
+
+A plan's cost is its top level's (keeps, drop-cheaps, each region's first forward) plus each
+top-level body's. With every body priced by its bound instead, a plan's top level is a path
+through the stages holding more bytes at each step; a forward program over (stage, bytes held,
+in ``BUCKETS`` buckets rounded down) gives, for every prefix of the chain, the least priced
+cost at each bucket: ``LP``. Rounding held bytes down only raises the free bytes a body sees,
+and a bound only falls with more bytes, so LP bounds every real prefix from below, and
+LP's least over the whole chain (R) bounds the optimum.
+
+Caps for a plan costing at most ``upper`` (Sec. 4 of the proof, ``search``):
+- a body, at any depth, at m bytes costs at most its bound at m plus upper - R: its excess
+  over its bound is part of the plan's excess over R (a nested body's, of its parent's);
+- the top-level suffix from s, at m bytes, costs at most upper - LP[s, b], b the bucket of
+  the bytes its prefix holds (the free bytes less m): the prefix costs at least that.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+from memplan.core.jit import jit
+from memplan.core.planners.frontier import (
+    BIG,
+    CHEAP,
+    COST,
+    DC_NEED,
+    DPREV,
+    EXIT_TOP,
+    GB,
+    KEEP,
+    NEED_B,
+    TF0_TOP,
+    TF_TOP,
+    XBAR,
+    XSAC,
+    X,
+    find,
+)
+
+I64 = npt.NDArray[np.int64]
+I32 = npt.NDArray[np.int32]
+BUCKETS = 1024  # held bytes in this many buckets of the free bytes (LSTM T=1024: as at 4096)
+
+
+@jit
+def _step(lp: I64, s: int, b: int, unit: int, add_bytes: int, cost: int) -> None:
+    """Relax LP[s, bucket of b's bytes + add_bytes] with cost. The last bucket holds all
+    beyond (a suffix may still fit: the last stage's, or needs below zero)."""
+    b2 = min(max((b * unit + add_bytes) // unit, 0), lp.shape[1] - 1)
+    lp[s, b2] = min(lp[s, b2], cost)
+
+
+@jit
+def prefix_costs(st: I64, cid: I32, bpool: I64, btab: I64, free: int, credit: int, unit: int,
+                 upper: int, allow_dc: bool) -> I64:
+    """LP[s, b]: a lower bound on the cost of any top level's stages 0..s-1 (bodies priced
+    by their bounds) that leaves them holding bytes in bucket b (of ``unit`` bytes, counted
+    from -credit: credits can free that much), among plans costing at most ``upper``."""
+    k = st.shape[1]
+    top_m = free + credit
+    lp = np.full((k + 1, top_m // unit + 1), BIG, np.int64)
+    lp[0, credit // unit] = 0
+    rest = np.zeros(k + 1, np.int64)  # every stage from s runs once
+    for q in range(k - 1, -1, -1):
+        rest[q] = rest[q + 1] + st[COST, q]
+    live = np.empty(lp.shape[1], np.int64)
+    for s in range(k):
+        n, best = 0, BIG
+        for b in range(lp.shape[1]):  # a state holding more and costing no less: dominated
+            if lp[s, b] < best and lp[s, b] + rest[s] <= upper:
+                best = lp[s, b]
+                live[n] = b
+                n += 1
+        for q in range(n):  # keep s or drop-cheap s (``frontier._single`` at the top level)
+            b = live[q]
+            m = top_m - b * unit  # at least the free bytes of any prefix in the bucket
+            if max(st[TF_TOP, s], st[NEED_B, s] - st[DPREV, s]) <= m:
+                _step(lp, s + 1, b, unit, st[XBAR, s] - st[DPREV, s], lp[s, b] + st[COST, s])
+            if allow_dc and st[DC_NEED, s] <= m:
+                _step(lp, s + 1, b, unit, st[XSAC, s], lp[s, b] + st[COST, s] + st[CHEAP, s])
+        if n:
+            _regions(st, cid, bpool, btab, lp, s, live, n, top_m, unit, upper, rest)
+    return lp
+
+
+@jit
+def _regions(st: I64, cid: I32, bpool: I64, btab: I64, lp: I64, s: int, live: I64, n: int,
+             top_m: int, unit: int, upper: int, rest: I64) -> None:
+    """The choices 'region s..e' from the live states of s (``frontier._regions``), the body
+    priced by its bound at the state's free bytes (states by falling free bytes: the bound's
+    point walks down its frontier; their costs fall)."""
+    k = st.shape[1]
+    fwd, fsum, first = -(1 << 61), 0, 0
+    cheapest = lp[s, live[n - 1]]
+    for e in range(s, k - 1):  # the last stage is never in a region
+        fwd = max(fwd, st[TF0_TOP, e] + (st[X, e - 1] if e > s else 0))
+        fsum += st[COST, e]
+        # The region runs twice: states too dear for it now are for every longer one.
+        while first < n and lp[s, live[first]] + rest[s] + fsum > upper:
+            first += 1
+        if first == n:
+            break
+        row = cid[s, e - s]
+        off, cnt = btab[row, 0, 0], btab[row, 0, 1]
+        # At most the first live state's bytes free: the body costs at least its bound there.
+        i = find(bpool, off, cnt, top_m - live[first] * unit - st[GB, e])
+        if i < 0 or cheapest + fsum + bpool[off + i, 1] + rest[e + 1] > upper:
+            continue
+        i = cnt - 1
+        need = max(fwd, st[EXIT_TOP, e])
+        for q in range(first, n):
+            b = live[q]
+            m = top_m - b * unit
+            if need > m:
+                break
+            while i >= 0 and bpool[off + i, 0] > m - st[GB, e]:
+                i -= 1
+            if i < 0:
+                break  # the body fits nowhere below
+            if cheapest + fsum + bpool[off + i, 1] + rest[e + 1] > upper:
+                break  # later states: less free (a dearer body), at most this much cheaper
+            cost = lp[s, b] + fsum + bpool[off + i, 1]
+            if cost + rest[e + 1] <= upper:
+                _step(lp, e + 1, b, unit, st[X, e], cost)
+
+
+@jit
+def top_caps(lp: I64, free: int, credit: int, unit: int, upper: int) -> tuple[I64, I64]:
+    """The suffix rows' caps as frontiers (need, cap, KEEP), one per stage s: at m free bytes
+    the suffix from s may cost upper - min(LP[s, b'] for b' <= b), b the bucket of the bytes
+    its prefix holds; where no prefix holds so little, nothing (cap -1)."""
+    k = lp.shape[0] - 1
+    nb = lp.shape[1]
+    top_m = free + credit
+    pool = np.empty((k * (nb + 1), 3), np.int64)
+    tab = np.zeros((k, 2), np.int64)
+    used = 0
+    for s in range(k):
+        tab[s, 0] = used
+        least = np.empty(nb, np.int64)  # LP's least over buckets up to b
+        run = BIG
+        for b in range(nb):
+            run = min(run, lp[s, b])
+            least[b] = run
+        for b in range(nb - 1, -1, -1):  # needs rise as the prefix's bytes fall
+            if least[b] >= BIG:
+                need = top_m - (b + 1) * unit + 1 if b < nb - 1 else -BIG
+                pool[used, 0], pool[used, 1], pool[used, 2] = need, -1, KEEP
+                used += 1
+                break
+            pool[used, 0] = top_m - (b + 1) * unit + 1 if b < nb - 1 else -BIG
+            pool[used, 1], pool[used, 2] = upper - least[b], KEEP
+            used += 1
+        tab[s, 1] = used - tab[s, 0]
+    return pool[:used], tab
+
+
+def caps_by_need(st: I64, cid: I32, n_cls: int, bodies: tuple[I64, I64], free: int,
+                 credit: int, upper: int, allow_dc: bool) -> tuple[I64, I64, int]:
+    """(pool, tab, R): caps for every row of ``frontier.fill`` (inner classes: the bound plus
+    upper - R; suffixes: ``top_caps``) as frontiers, tab[row] = (offset, count) per dr, and R,
+    the lower bound on the optimum. ``bodies``: ``body_bounds.fill_bounds``."""
+    k = st.shape[1]
+    bpool, btab = bodies
+    unit = max(1, (free + credit) // BUCKETS)
+    lp = prefix_costs(st, cid, bpool, btab, free, credit, unit, upper, allow_dc)
+    root = int(lp[k].min())
+    if root >= BIG:
+        return bpool, btab, root  # no plan within upper
+    tpool, ttab = top_caps(lp, free, credit, unit, upper)
+    inner = bpool.copy()
+    inner[:, 1] += upper - root
+    tab = np.zeros((n_cls + k + 1, 2, 2), np.int64)
+    tab[:n_cls] = btab
+    tab[n_cls : n_cls + k, :, 0] = (ttab[:, 0] + len(inner))[:, None]
+    tab[n_cls : n_cls + k, :, 1] = ttab[:, 1][:, None]
+    return np.concatenate([inner, tpool]), tab, root
