@@ -3,6 +3,7 @@ every subproblem's true cost, and caps by need that keep the optimum and its sch
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -10,7 +11,7 @@ from memplan.core import chain as C
 from memplan.core.planners import frontier as F
 from memplan.core.planners import optimal as O
 from memplan.core.planners.body_bounds import fill_bounds, item_kinds
-from memplan.core.planners.priced import caps_by_need
+from memplan.core.planners.priced import relax
 from tests.core.test_planners import chains, repeating_chains, uniform_chain
 
 CHAINS = st.one_of(chains(), repeating_chains(max_k=12))
@@ -46,7 +47,7 @@ def test_body_bounds_lie_below_every_body(c: C.Chain, budget: int) -> None:
 
 @settings(max_examples=150, deadline=None)
 @given(CHAINS, st.integers(0, 120), st.integers(0, 60), st.booleans())
-def test_caps_by_need_keep_the_optimum_and_its_schedule(c: C.Chain, budget: int, extra: int,
+def test_caps_keep_the_optimum_and_its_schedule(c: C.Chain, budget: int, extra: int,
                                                         dc: bool) -> None:
     """For any cost at or above the optimum: the relaxation's root lies at or below the
     optimum, and the program under the caps has the optimum and the unpruned schedule."""
@@ -57,12 +58,9 @@ def test_caps_by_need_keep_the_optimum_and_its_schedule(c: C.Chain, budget: int,
     upper = hit[0] + extra
     mcap = free + shape.credit()
     bodies = fill_bounds(shape.st, shape.cid, mcap - shape.min_gb, item_kinds(shape.st))
-    *_, root = caps_by_need(shape.st, shape.cid, len(shape.min_gb), bodies, free,
-                            shape.credit(), upper, dc)
-    assert root <= hit[0]
-    by_need = shape.priced(free, upper)
-    assert by_need is not None
-    capped = shape.fill(free, None, by_need)
+    relaxed = relax(shape.st, shape.cid, bodies, free, shape.credit(), upper, dc)
+    assert relaxed.root <= hit[0]
+    capped = shape.fill(free, None, relaxed.caps(upper))
     assert capped.point(0, c.n - 1, 0, free) == hit
     assert capped.schedule(0, c.n - 1, 0, free) == full.schedule(0, c.n - 1, 0, free)
     assert len(capped.pool) <= len(full.pool)
@@ -78,14 +76,40 @@ def test_caps_cut_what_no_plan_within_them_uses() -> None:
     full = shape.fill(free, None)
     hit = full.point(0, c.n - 1, 0, free)
     assert hit is not None
-    by_need = shape.priced(free, hit[0])
-    assert by_need is not None
-    capped = shape.fill(free, None, by_need)
+    relaxed = shape.relax(free, hit[0])
+    capped = shape.fill(free, None, relaxed.caps(hit[0]))
     assert capped.point(0, c.n - 1, 0, free) == hit
     assert len(capped.pool) < len(full.pool) / 8
-    mcap = free + shape.credit()
-    bodies = fill_bounds(shape.st, shape.cid, mcap - shape.min_gb, item_kinds(shape.st))
-    *_, root = caps_by_need(shape.st, shape.cid, len(shape.min_gb), bodies, free,
-                            shape.credit(), hit[0], True)
-    assert hit[0] * 0.99 < root <= hit[0]
-    assert shape.priced(free, root - 1) is None and shape.priced(free, root) is not None
+    assert hit[0] * 0.99 < relaxed.root <= hit[0]
+    # Within a cost below the root, no prefix reaches the end.
+    assert shape.relax(free, relaxed.root - 1).root >= F.BIG
+
+
+@pytest.mark.parametrize("reprobe", [0, 1 << 40])
+@pytest.mark.parametrize("extra", [2, 5, 20])
+def test_search_proves_a_probes_plan_under_caps_by_need(extra: int, reprobe: int,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With every proof capped by need (PRICED = 1) and with or without the one more probe
+    (REPROBE), the search returns the unpruned program's optimum and schedule. (At extra 2
+    the probe's plan costs the relaxation's root: nothing to probe for.)"""
+    c = uniform_chain(60)
+    shape = O._Shape.of(O.stage_table(c), True)
+    free = O.least_need(shape) + extra
+    monkeypatch.setattr(O, "PRICED", 1)
+    monkeypatch.setattr(O, "REPROBE", reprobe)
+    capped: list[bool] = []
+    fill = O._Shape.fill
+
+    def spy(self: O._Shape, free: int, caps: object, by_need: object = None) -> O._Program:
+        capped.append(by_need is not None)
+        return fill(self, free, caps, by_need)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(O._Shape, "fill", spy)
+    found = O.search(shape, free)
+    assert capped[-1], "the proof was not capped by need: this case no longer covers it"
+    if reprobe == 0 and extra > 2:  # the probe's plan lies above the root: probed again
+        assert capped[-2:] == [True, True]
+    full = shape.fill(free, None)
+    assert found is not None
+    assert found.point(0, c.n - 1, 0, free) == full.point(0, c.n - 1, 0, free)
+    assert found.schedule(0, c.n - 1, 0, free) == full.schedule(0, c.n - 1, 0, free)

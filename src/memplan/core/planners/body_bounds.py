@@ -24,18 +24,7 @@ import numpy as np
 import numpy.typing as npt
 
 from memplan.core.jit import jit
-from memplan.core.planners.frontier import (
-    BIG,
-    COST,
-    DPREV,
-    GB,
-    GF_IN,
-    KEEP,
-    NEED_B,
-    TF_IN,
-    XBAR,
-    ref,
-)
+from memplan.core.planners import frontier as F
 
 I64 = npt.NDArray[np.int64]
 I32 = npt.NDArray[np.int32]
@@ -46,7 +35,7 @@ def item_kinds(st: I64) -> tuple[I64, I64, I64, I64, I64]:
     """Stages as knapsack items (weight xbar - d_{s-1}: kept after a kept stage; profit: its
     cost), grouped into kinds of equal items: (kind per stage, weight and profit per kind,
     kinds by efficiency, kinds by profit; both orders deterministic)."""
-    w, p = st[XBAR] - st[DPREV], st[COST]
+    w, p = st[F.XBAR] - st[F.DPREV], st[F.COST]
     pairs, kind = np.unique(np.stack([w, p], axis=1), axis=0, return_inverse=True)
     kw, kp = pairs[:, 0].copy(), pairs[:, 1].copy()
     eff = np.where(kw > 0, kp / np.maximum(kw, 1), np.inf)  # free items first
@@ -95,26 +84,26 @@ def _row(st: I64, s: int, t: int, dr: int, cap: int, items: tuple[I64, I64, I64,
     """The bound's points for C(s, t, ., dr) (needs relative to gb[t], up to cap) into out."""
     _, kw, kp, by_eff, by_profit = items
     nk = kw.shape[0]
-    credit = st[DPREV, t] * (1 if t > s else dr)
-    need = max(st[GF_IN, t] + st[TF_IN, t], st[NEED_B, t] - credit) - st[GB, t]
+    credit = st[F.DPREV, t] * (1 if t > s else dr)
+    need = max(st[F.GF_IN, t] + st[F.TF_IN, t], st[F.NEED_B, t] - credit) - st[F.GB, t]
     fsum = 0
     for q in range(s, t + 1):
-        fsum += st[COST, q]
+        fsum += st[F.COST, q]
     if s == t:
         if need > cap:
             return 0
-        out[0, 0], out[0, 1], out[0, 2] = need, fsum, KEEP
+        out[0, 0], out[0, 1], out[0, 2] = need, fsum, F.KEEP
         return 1
     # Items s..t-1: kinds with counts; the entry s is its own item (its credit is dr's).
     w, p, n = np.empty(nk + 1, np.int64), np.empty(nk + 1, np.int64), np.zeros(nk + 1, np.int64)
     w[:nk], p[:nk] = kw, kp
     n[:nk] = cnt[t] - cnt[s + 1]
-    w[nk], p[nk], n[nk] = st[XBAR, s] - st[DPREV, s] * dr, st[COST, s], 1
+    w[nk], p[nk], n[nk] = st[F.XBAR, s] - st[F.DPREV, s] * dr, st[F.COST, s], 1
     eff = np.empty(nk + 1, np.int64)  # the entry placed by its efficiency
     prof = np.empty(nk + 1, np.int64)
     _insert(by_eff, nk, w, p, True, eff)
     _insert(by_profit, nk, w, p, False, prof)
-    total, free_p, wmin, heavy, freed = 0, 0, BIG, 0, 0
+    total, free_p, wmin, heavy, freed = 0, 0, F.BIG, 0, 0
     for k in range(nk + 1):
         total += n[k] * p[k]
         if n[k] > 0 and w[k] <= 0:
@@ -129,13 +118,13 @@ def _row(st: I64, s: int, t: int, dr: int, cap: int, items: tuple[I64, I64, I64,
     if need > cap:
         return 0
     if heavy == 0:
-        out[0, 0], out[0, 1], out[0, 2] = need, fsum, KEEP
+        out[0, 0], out[0, 1], out[0, 2] = need, fsum, F.KEEP
         return 1
     # Ranges [a, b) of capacity: n items of weight >= wmin fit only from n * wmin on.
     step = max(wmin, -(-(cap - need + 1) // STEPS))
     c = 0
     pts = 0
-    best = BIG
+    best = F.BIG
     while need + c <= cap:
         end = c + step - 1
         count = end // wmin
@@ -143,7 +132,7 @@ def _row(st: I64, s: int, t: int, dr: int, cap: int, items: tuple[I64, I64, I64,
                      _lp_saving(end, eff, w, p, n), total)
         cost = fsum + total - saving
         if cost < best:
-            out[pts, 0], out[pts, 1], out[pts, 2] = need + c, cost, KEEP
+            out[pts, 0], out[pts, 1], out[pts, 2] = need + c, cost, F.KEEP
             pts += 1
             best = cost
         if saving >= total:
@@ -197,7 +186,7 @@ def fill_bounds(st: I64, cid: I32, cls_cap: I64, items: tuple[I64, I64, I64, I64
     for n in range(1, k):
         for s in range(k - n):
             t = s + n - 1
-            row, _ = ref(cid, st[GB], n_cls, s, t)
+            row, _ = F.ref(cid, st[F.GB], n_cls, s, t)
             if tab[row, 0, 0] >= 0:
                 continue
             for dr in range(2):

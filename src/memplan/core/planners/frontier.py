@@ -286,7 +286,7 @@ def fill(st: I64, cid: I32, cls_cap: I64, mcap: int, top_cost_cap: I64, inner_sl
 
     cls_cap[c]: a class's largest useful need (relative); mcap: the top level's. Costs kept:
     <= top_cost_cap[s] for the suffix from s, <= cost(s..t) + inner_slack inside regions, and
-    <= the caps by need of the row where ctab gives some (``priced.caps_by_need``; ctab with
+    <= the caps by need of the row where ctab gives some (``priced.Relaxation.caps``; ctab with
     no rows: none)."""
     k = st.shape[1]
     n_cls = cls_cap.shape[0]

@@ -32,7 +32,7 @@ from memplan.core.planners.body_bounds import fill_bounds, item_kinds
 from memplan.core.planners.bounds import recompute_bounds
 from memplan.core.planners.coarse import coarsen, expand
 from memplan.core.planners.common import ChainLike, as_chain, int_param
-from memplan.core.planners.priced import caps_by_need
+from memplan.core.planners.priced import Relaxation, relax
 from memplan.core.planners.repeats import classes, stage_types
 from memplan.core.schedule import DropCheap, Item, Keep, Region, plain_schedule, simulate
 from memplan.errors import bad_arg
@@ -51,6 +51,7 @@ PROBE_TOP = 256  # a probe's top-level slack, in multiples of its bodies' (``sea
 # at 0.5 GB: 18.6 times, proof 1.68 -> 0.75 s; ResNet-1000 at its least peak: 8 times,
 # 0.15 s plain, 0.25 s capped by need.
 PRICED = 16
+REPROBE = 4  # ``_priced_proof``: a probe's plan this many slacks above the root: probe again
 MAX_NESTING = 100  # deeper plans recompute stages 100+ times; chain._run etc. recurse per level
 COST_BITS = 18  # plan_optimal counts costs in units of 2**-18 of the forward (``cost_units``)
 LEAST_PEAK_CACHED = 8  # least-peak schedules remembered (``least_peak_schedule``)
@@ -126,14 +127,11 @@ class _Shape:
                            caps, ctab)
         return _Program(st, self.cid, len(self.min_gb), pool, tab)
 
-    def priced(self, free: int, upper: int) -> tuple[I64, I64] | None:
-        """Caps by free bytes for every row that keep each plan costing at most ``upper``
-        (``priced.caps_by_need``); None: no plan does."""
+    def relax(self, free: int, upper: int) -> Relaxation:
+        """The priced relaxation among plans costing at most ``upper`` (``priced``)."""
         mcap = min(free + self.credit(), F.BIG // 4)
         bodies = fill_bounds(self.st, self.cid, mcap - self.min_gb, item_kinds(self.st))
-        caps, ctab, root = caps_by_need(self.st, self.cid, len(self.min_gb), bodies, free,
-                                        self.credit(), upper, self.allow_dc)
-        return None if root > upper else (caps, ctab)
+        return relax(self.st, self.cid, bodies, free, self.credit(), upper, self.allow_dc)
 
 
 @dataclass(frozen=True)
@@ -222,7 +220,7 @@ def search(shape: _Shape, free: int, upper: int | None = None) -> _Program | Non
             return None
         if ceiling is not None and caps >= ceiling:
             ceiling = None  # the upper plan does not fit after all
-    inner = slack
+    inner = max(1, slack // 2)
     while True:
         unbounded = inner > (k + 1) * max(total, 1)
         top = PROBE_TOP * inner if ceiling is None else min(PROBE_TOP * inner,
@@ -233,15 +231,38 @@ def search(shape: _Shape, free: int, upper: int | None = None) -> _Program | Non
             over = hit[0] - forward - int(bounds[0])  # its recomputation above the bound
             if unbounded or over <= inner:
                 return prog
-            # The proof: every plan costing at most this one's is kept; caps by need where
-            # the slack is far above the probe's (``PRICED``).
-            by_need = shape.priced(free, hit[0]) if over >= PRICED * inner else None
-            return shape.fill(free, _cost_caps(shape, bounds, over), by_need)
+            if over < PRICED * inner:  # the proof: every plan costing at most this one's
+                return shape.fill(free, _cost_caps(shape, bounds, over))
+            return _priced_proof(shape, free, bounds, prog, inner)
         if unbounded:
             return None
         if ceiling is not None and inner >= ceiling:
             ceiling = None  # the upper plan does not fit after all
         inner *= 2
+
+
+def _priced_proof(shape: _Shape, free: int, bounds: tuple[float, F64], probe: _Program,
+                  inner: int) -> _Program:
+    """The proof of a probe's plan, capped by need (``priced``). Where that plan lies far
+    above the relaxation's root (``REPROBE`` times the probe's bodies' slack), one more
+    probe, its slack doubled under those caps, may find a cheaper one, whose caps are
+    tighter (ResNet-1000 at its least peak: 0.45 of a forward pass above the bound at 1/64,
+    0.25 at 1/32). A probe's plan within its bodies' slack is optimal."""
+    k = shape.st.shape[1]
+    forward = int(shape.st[F.COST].sum())
+    cost = probe.point(0, k - 1, 0, free)[0]  # type: ignore[index]
+    relaxed = shape.relax(free, cost)
+    if cost - relaxed.root > REPROBE * inner:
+        inner *= 2
+        again = shape.fill(free, _cost_caps(shape, bounds, inner, PROBE_TOP * inner),
+                           relaxed.caps(cost))
+        hit = again.point(0, k - 1, 0, free)
+        if hit is not None and hit[0] < cost:
+            cost = hit[0]
+            if cost - forward - int(bounds[0]) <= inner:
+                return again
+    over = cost - forward - int(bounds[0])
+    return shape.fill(free, _cost_caps(shape, bounds, over), relaxed.caps(cost))
 
 
 def schedule_cost(st: I64, items: tuple[Item, ...]) -> int:

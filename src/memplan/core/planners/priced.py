@@ -18,6 +18,8 @@ Caps for a plan costing at most ``upper`` (Sec. 4 of the proof, ``search``):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import numpy.typing as npt
 
@@ -158,23 +160,42 @@ def top_caps(lp: I64, free: int, credit: int, unit: int, upper: int) -> tuple[I6
     return pool[:used], tab
 
 
-def caps_by_need(st: I64, cid: I32, n_cls: int, bodies: tuple[I64, I64], free: int,
-                 credit: int, upper: int, allow_dc: bool) -> tuple[I64, I64, int]:
-    """(pool, tab, R): caps for every row of ``frontier.fill`` (inner classes: the bound plus
-    upper - R; suffixes: ``top_caps``) as frontiers, tab[row] = (offset, count) per dr, and R,
-    the lower bound on the optimum. ``bodies``: ``body_bounds.fill_bounds``."""
-    k = st.shape[1]
-    bpool, btab = bodies
+@dataclass(frozen=True)
+class Relaxation:
+    """The priced relaxation of one program at ``free`` bytes, among plans costing at most
+    the ``upper`` it was made for (``relax``): caps for any cost up to that."""
+
+    bodies: tuple[I64, I64]  # ``body_bounds.fill_bounds``
+    lp: I64
+    unit: int
+    free: int
+    credit: int
+
+    @property
+    def root(self) -> int:
+        """R: a lower bound on the optimum (BIG: no plan within the upper cost)."""
+        return int(self.lp[-1].min())
+
+    def caps(self, upper: int) -> tuple[I64, I64]:
+        """Caps by need for every row of ``frontier.fill`` that keep each plan costing at most
+        ``upper`` (inner classes: the bound plus upper - R; suffixes: ``top_caps``), as
+        frontiers, tab[row, dr] = (offset, count)."""
+        bpool, btab = self.bodies
+        k = self.lp.shape[0] - 1
+        n_cls = btab.shape[0]
+        tpool, ttab = top_caps(self.lp, self.free, self.credit, self.unit, upper)
+        inner = bpool.copy()
+        inner[:, 1] += upper - self.root
+        tab = np.zeros((n_cls + k + 1, 2, 2), np.int64)
+        tab[:n_cls] = btab
+        tab[n_cls : n_cls + k, :, 0] = (ttab[:, 0] + len(inner))[:, None]
+        tab[n_cls : n_cls + k, :, 1] = ttab[:, 1][:, None]
+        return np.concatenate([inner, tpool]), tab
+
+
+def relax(st: I64, cid: I32, bodies: tuple[I64, I64], free: int, credit: int, upper: int,
+          allow_dc: bool) -> Relaxation:
+    """The relaxation among plans costing at most ``upper`` (``prefix_costs``)."""
     unit = max(1, (free + credit) // BUCKETS)
-    lp = prefix_costs(st, cid, bpool, btab, free, credit, unit, upper, allow_dc)
-    root = int(lp[k].min())
-    if root >= BIG:
-        return bpool, btab, root  # no plan within upper
-    tpool, ttab = top_caps(lp, free, credit, unit, upper)
-    inner = bpool.copy()
-    inner[:, 1] += upper - root
-    tab = np.zeros((n_cls + k + 1, 2, 2), np.int64)
-    tab[:n_cls] = btab
-    tab[n_cls : n_cls + k, :, 0] = (ttab[:, 0] + len(inner))[:, None]
-    tab[n_cls : n_cls + k, :, 1] = ttab[:, 1][:, None]
-    return np.concatenate([inner, tpool]), tab, root
+    lp = prefix_costs(st, cid, bodies[0], bodies[1], free, credit, unit, upper, allow_dc)
+    return Relaxation(bodies, lp, unit, free, credit)
