@@ -192,14 +192,13 @@ def search(shape: _Shape, free: int, upper: int | None = None) -> _Program | Non
     Costs are capped at the lower bound plus a slack (the caps never cut a plan within
     them, so the first plan found within them is optimal). When the first two caps cut every
     plan, the bound is far below the optimum (it ignores nesting): probes look for a plan,
-    their bodies' slack the first caps' and doubled while none is found, their top level's
-    ``PROBE_TOP`` times larger. Why: a fill's time grows with its bodies' slack far faster
-    than with its top level's (LSTM T=1024 at 0.5 GB: bodies 1/32 of a forward pass, top 8,
-    0.15 s, finding the optimum; bodies 1/8, top 4, 0.5 s). A smaller first slack finds
-    worse plans, dearer to prove (ResNet-1000 at its least peak: 1/64, 0.45 of a forward
-    pass above the bound, against 0.25 at 1/32). A plan a probe finds is optimal if it
-    lies within the bodies' slack (every plan that does is in the probe), else its cost is
-    the slack of one last fill, which keeps it and so finds the optimum.
+    their bodies' slack half the first caps' and doubled while none is found, their top
+    level's ``PROBE_TOP`` times larger. Why: a fill's time grows with its bodies' slack far
+    faster than with its top level's (LSTM T=1024 at 0.5 GB: bodies 1/64 of a forward pass,
+    top 4, 0.08 s, finding the optimum; bodies 1/8, 0.5 s). A plan a probe finds is optimal
+    if it lies within the bodies' slack (every plan that does is in the probe), else its cost
+    is the slack of one last fill, which keeps it and so finds the optimum; capped by need
+    where that slack is ``PRICED`` times the probe's or more (``_priced_proof``).
     ``upper``: the cost of a plan thought to fit; the first slack, and a probe's top-level
     slack, are at most what keeps it (smaller caps, a faster fill); if a fill that keeps it
     finds none, it does not fit and the search goes on without it."""
