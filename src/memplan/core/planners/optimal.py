@@ -47,9 +47,9 @@ LEAST_PEAK_TOLERANCE = 1024  # without a budget: the least peak to 1/1024 of the
 PROBE_TOP = 256  # a probe's top-level slack, in multiples of its bodies' (``search``)
 # The proof's slack, in multiples of the probe's, from which it is capped by need
 # (``priced``): that costs a forward program over the chain, tenths of a second on 1,000
-# stages, and pays where the plain caps keep far more than the bounds allow. LSTM T=1024
-# at 0.5 GB: 18.6 times, proof 1.68 -> 0.75 s; ResNet-1000 at its least peak: 8 times,
-# 0.15 s plain, 0.25 s capped by need.
+# stages, and pays where the plain caps keep far more than the bounds allow (LSTM T=1024
+# at 0.5 GB: 37 times, proof 1.68 -> 0.75 s); not where they keep little (ResNet-1000 at
+# 3.8 GB, 1/32 of a forward pass: 5.5 times, 0.09 s plain, 0.14 s capped by need).
 PRICED = 16
 REPROBE = 4  # ``_priced_proof``: a probe's plan this many slacks above the root: probe again
 MAX_NESTING = 100  # deeper plans recompute stages 100+ times; chain._run etc. recurse per level
@@ -255,8 +255,8 @@ def _priced_proof(shape: _Shape, free: int, bounds: tuple[float, F64], probe: _P
         inner *= 2
         again = shape.fill(free, _cost_caps(shape, bounds, inner, PROBE_TOP * inner),
                            relaxed.caps(cost))
-        hit = again.point(0, k - 1, 0, free)
-        if hit is not None and hit[0] < cost:
+        hit = again.point(0, k - 1, 0, free)  # at most cost: the first plan is in it
+        if hit is not None:
             cost = hit[0]
             if cost - forward - int(bounds[0]) <= inner:
                 return again
