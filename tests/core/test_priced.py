@@ -97,18 +97,25 @@ def test_search_proves_a_probes_plan_under_caps_by_need(extra: int, reprobe: int
     free = O.least_need(shape) + extra
     monkeypatch.setattr(O, "PRICED", 1)
     monkeypatch.setattr(O, "REPROBE", reprobe)
-    capped: list[bool] = []
-    fill = O._Shape.fill
+    fills: list[tuple[bool, bool]] = []  # (capped by need, a probe's cost caps)
+    probe = [False]
+    cost_caps, fill = O._cost_caps, O._Shape.fill
 
-    def spy(self: O._Shape, free: int, caps: object, by_need: object = None) -> O._Program:
-        capped.append(by_need is not None)
+    def caps_spy(*args: object) -> object:
+        probe[0] = len(args) > 3 and args[3] is not None
+        return cost_caps(*args)  # type: ignore[arg-type]
+
+    def fill_spy(self: O._Shape, free: int, caps: object, by_need: object = None
+                 ) -> O._Program:
+        fills.append((by_need is not None, probe[0]))
         return fill(self, free, caps, by_need)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(O._Shape, "fill", spy)
+    monkeypatch.setattr(O, "_cost_caps", caps_spy)
+    monkeypatch.setattr(O._Shape, "fill", fill_spy)
     found = O.search(shape, free)
-    assert capped[-1], "the proof was not capped by need: this case no longer covers it"
-    if reprobe == 0 and extra > 2:  # the probe's plan lies above the root: probed again
-        assert capped[-2:] == [True, True]
+    assert fills[-1][0], "the proof was not capped by need: this case no longer covers it"
+    if extra > 2:  # the probe's plan lies above the root: probed again, or not
+        assert ((True, True) in fills) == (reprobe == 0)
     full = shape.fill(free, None)
     assert found is not None
     assert found.point(0, c.n - 1, 0, free) == full.point(0, c.n - 1, 0, free)
