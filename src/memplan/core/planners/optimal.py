@@ -451,3 +451,5 @@ def warm_up() -> None:
               tb=one, gb=one, base_bytes=0, step_flops=3 * k)
     solve(c, 10)
     least_peak_schedule(c)
+    shape = _Shape.of(stage_table(c), True)  # the proof capped by need (``_priced_proof``)
+    shape.fill(10, None, shape.relax(10, 1 << 20).caps(1 << 20))
