@@ -153,6 +153,8 @@ def top_caps(lp: I64, free: int, credit: int, unit: int, upper: int) -> tuple[I6
                 pool[used, 0], pool[used, 1], pool[used, 2] = need, -1, KEEP
                 used += 1
                 break
+            if b < nb - 1 and least[b] == least[b + 1]:
+                continue  # the same cap: the point below stands for this bucket too
             pool[used, 0] = top_m - (b + 1) * unit + 1 if b < nb - 1 else -BIG
             pool[used, 1], pool[used, 2] = upper - least[b], KEEP
             used += 1
