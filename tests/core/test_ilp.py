@@ -53,6 +53,40 @@ def test_milp_is_exact_where_highs_presolve_was_not() -> None:
     assert O.solve(c, 23 - c.base_bytes, slot_bytes=1)[0] == 7
 
 
+def _five(**rows: tuple[int, ...]) -> C.Chain:
+    def a(*v: int) -> np.ndarray:
+        return np.array(v, dtype=np.int64)
+
+    return C.Chain(fingerprint="fp", first=a(0, 1, 2, 3, 4), last=a(0, 1, 2, 3, 4),
+                   modules=("m",) * 5, b=a(1, 1, 1, 1, 1), base_bytes=3, step_flops=100,
+                   **{k: a(*v) for k, v in rows.items()})
+
+
+@pytest.mark.parametrize("c, budget, max_depth, flops", [
+    # Without presolve, HiGHS called this program infeasible (49 FLOPs fit).
+    (_five(f=(12, 10, 1, 1, 1), x=(2, 9, 7, 3, 2), xbar=(10, 11, 11, 5, 6), d=(2, 3, 3, 0, 0),
+           xsac=(6, 10, 9, 4, 4), xsac_b=(10, 11, 11, 5, 6), fcheap=(0, 0, 0, 0, 0),
+           tf=(0, 0, 0, 6, 0), tf0=(0, 0, 1, 9, 0), tb=(0, 0, 1, 0, 1), gb=(0, 0, 6, -2, 4)),
+     30, 1, 49),
+    # Without presolve, HiGHS reported 19 FLOPs optimal where 18 fit.
+    (_five(f=(3, 2, 6, 1, 1), x=(1, 2, 5, 4, 1), xbar=(5, 6, 9, 11, 1), d=(0, 1, 0, 0, 0),
+           xsac=(3, 4, 7, 7, 1), xsac_b=(5, 6, 9, 11, 1), fcheap=(0, 2, 0, 0, 0),
+           tf=(0, 0, 0, 0, 0), tf0=(0, 0, 0, 0, 0), tb=(0, 0, 0, 0, 5), gb=(0, 0, 0, 0, -1)),
+     25, 2, 18),
+])
+def test_milp_is_exact_where_highs_without_presolve_was_not(c: C.Chain, budget: int,
+                                                           max_depth: int, flops: int) -> None:
+    """Chains the test below drew where HiGHS without its presolve was wrong: solved both
+    ways, the better schedule is brute force's."""
+    best = min(S.simulate(c, s)[1] for s in schedules(0, c.n - 1, True)
+               if S.simulate(c, s)[0] <= budget and depth(s) <= max_depth)
+    assert best == flops
+    res = solve_milp(c, budget, max_depth=max_depth, time_limit_s=60)
+    assert res.schedule is not None and res.proven
+    peak, got = S.simulate(c, res.schedule)
+    assert got == flops and peak <= budget and depth(res.schedule) <= max_depth
+
+
 @settings(max_examples=EXAMPLES, deadline=None)
 @given(chains(), st.data(), st.sampled_from([0, 1, 2, 4]))
 def test_milp_equals_brute_force(c: C.Chain, data: st.DataObject, max_depth: int) -> None:
