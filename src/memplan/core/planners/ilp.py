@@ -66,6 +66,7 @@ class MilpResult:
     message: str
     retries: int = 0  # solves again after a plan over budget by solver tolerance
     timed_out: bool = False  # stopped by the caller's time limit: machine-dependent, not used
+    objective: float | None = None  # the program's objective at the schedule (its own scale)
 
 
 def solve_milp(c: C.Chain, budget_bytes: int | None, max_depth: int = 2,
@@ -92,37 +93,20 @@ def solve_milp(c: C.Chain, budget_bytes: int | None, max_depth: int = 2,
                      presolve)
         if res.timed_out:
             return res
-        if best is None or _better(c, cost, budget_bytes, res, best):
+        if best is None or _better(res, best):
             best = res
     assert best is not None
     return best
 
 
-def _better(c: C.Chain, cost: np.ndarray, budget_bytes: int | None, res: MilpResult,
-            than: MilpResult) -> bool:
-    """Whether ``res`` has a schedule and ``than`` none, or a cheaper one (at a budget: less
-    executed cost; without: a lower peak)."""
-    if res.schedule is None:
+def _better(res: MilpResult, than: MilpResult) -> bool:
+    """Whether ``res`` has a schedule and ``than`` none, or its objective is lower (the
+    program's own: executed cost at a budget, the peak without one)."""
+    if res.schedule is None or res.objective is None:
         return False
-    if than.schedule is None:
+    if than.schedule is None or than.objective is None:
         return True
-    if budget_bytes is None:
-        return S.simulate(c, res.schedule)[0] < S.simulate(c, than.schedule)[0]
-    return _executed(res.schedule, cost, c) < _executed(than.schedule, cost, c)
-
-
-def _executed(items: tuple[S.Item, ...], cost: np.ndarray, c: C.Chain) -> float:
-    """The forward cost a schedule executes, replays included (``ilp_model.objective``'s)."""
-    cheap = cost * (c.fcheap / np.maximum(c.f, 1))
-    total = 0.0
-    for it in items:
-        if isinstance(it, S.Keep):
-            total += float(cost[it.stage])
-        elif isinstance(it, S.DropCheap):
-            total += float(cost[it.stage] + cheap[it.stage])
-        else:
-            total += float(cost[it.start : it.end + 1].sum()) + _executed(it.body, cost, c)
-    return total
+    return res.objective < than.objective - 1e-9  # ties: the first solve's
 
 
 def _solve(c: C.Chain, budget_bytes: int | None, depth: int, node_limit: int,
@@ -153,7 +137,8 @@ def _solve(c: C.Chain, budget_bytes: int | None, depth: int, node_limit: int,
         peak = S.simulate(c, sch)[0]
         if budget_bytes is None or peak <= budget_bytes:
             gap = None if res.mip_gap is None else float(res.mip_gap)
-            return MilpResult(sch, res.status == 0, gap, str(res.message), retry)
+            return MilpResult(sch, res.status == 0, gap, str(res.message), retry,
+                              objective=float(res.fun))
         target = (target or budget_bytes) - (peak - budget_bytes) - unit(c)
     return MilpResult(None, False, None, "solver tolerance: no schedule within budget", 4)
 

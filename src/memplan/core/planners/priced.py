@@ -39,7 +39,6 @@ from memplan.core.planners.frontier import (
     XBAR,
     XSAC,
     X,
-    find,
 )
 
 I64 = npt.NDArray[np.int64]
@@ -107,10 +106,6 @@ def _regions(st: I64, cid: I32, bpool: I64, btab: I64, lp: I64, s: int, live: I6
             break
         row = cid[s, e - s]
         off, cnt = btab[row, 0, 0], btab[row, 0, 1]
-        # At most the first live state's bytes free: the body costs at least its bound there.
-        i = find(bpool, off, cnt, top_m - live[first] * unit - st[GB, e])
-        if i < 0 or cheapest + fsum + bpool[off + i, 1] + rest[e + 1] > upper:
-            continue
         i = cnt - 1
         need = max(fwd, st[EXIT_TOP, e])
         for q in range(first, n):
