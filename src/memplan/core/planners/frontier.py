@@ -345,8 +345,7 @@ def fill(st: I64, cid: I32, cls_cap: I64, mcap: int, top_cost_cap: I64, inner_sl
                 pool, used = _store(pool, used, mix, w, base)
         for s in range(k - n):  # bodies of n stages are known now
             row, _ = ref(cid, st[GB], n_cls, s, s + n - 1)
-            # Caps by need may empty a body whose longer ones they keep: bytes alone end them.
-            if tab[row, 0, 1] > 0 or row < ctab.shape[0]:
+            if tab[row, 0, 1] > 0:
                 last[s] = s + n - 1
     return pool[:used], tab
 
