@@ -16,6 +16,8 @@ from memplan.core import schedule as S
 from memplan.core.plan import Plan
 from memplan.core.planners import PLANNERS, bounds, pareto
 from memplan.core.planners import optimal as O
+from memplan.core.planners import program as P
+from memplan.core.planners import search as Q
 from memplan.errors import BudgetTooSmall
 from tests.core.graphs import TINY, tiny
 
@@ -106,8 +108,8 @@ def test_slot_mode_never_exceeds_the_budget(c: C.Chain, budget: int, slots: int)
 @given(st.one_of(chains(), repeating_chains()))
 def test_least_need_equals_brute_force(c: C.Chain) -> None:
     least = min(S.simulate(c, s)[0] for s in schedules(0, c.n - 1, True))
-    shape = O._Shape.of(O.stage_table(c), True)
-    assert O.least_need(shape) == least - c.base_bytes
+    shape = P.Shape.of(P.stage_table(c), True)
+    assert P.least_need(shape) == least - c.base_bytes
     assert O.solve(c, least - c.base_bytes - 1) == (np.inf, None)
 
 
@@ -127,7 +129,7 @@ def mirrors(c: C.Chain, items: tuple[S.Item, ...], depth: int = 0) -> np.ndarray
 @given(st.one_of(chains(), repeating_chains()), st.integers(0, 90), st.booleans())
 def test_recompute_bounds_are_lower_bounds(c: C.Chain, budget: int, dc: bool) -> None:
     """Every schedule that fits pays at least the bound, and so does each of its prefixes."""
-    lb_total, lb_prefix = bounds.recompute_bounds(O.stage_table(c), budget - c.base_bytes, dc)
+    lb_total, lb_prefix = bounds.recompute_bounds(P.stage_table(c), budget - c.base_bytes, dc)
     for sch in schedules(0, c.n - 1, True):
         if (not dc and any(isinstance(it, S.DropCheap) for it in sch)) or (
                 S.simulate(c, sch)[0] > budget):
@@ -142,7 +144,7 @@ def full_program(c: C.Chain, free: int, share: bool) -> float:
     sub-chain solved on its own)."""
     if free < 0:
         return np.inf
-    shape = O._Shape.of(O.stage_table(c), True, share=share)
+    shape = P.Shape.of(P.stage_table(c), True, share=share)
     hit = shape.fill(free, None).point(0, c.n - 1, 0, free)
     return np.inf if hit is None else hit[0]
 
@@ -163,7 +165,7 @@ def test_a_gradient_step_after_a_sub_chain_leaves_its_class() -> None:
     make the weights' gradients): sub-chains ending at 4 differ from the others only past
     their end, so they share the others' classes; those reaching past 4 do not."""
     c = dataclasses.replace(uniform_chain(9), gb=np.array([20] * 5 + [8] * 3 + [0]))
-    cid = O._Shape.of(O.stage_table(c), True).cid
+    cid = P.Shape.of(P.stage_table(c), True).cid
     for n in (1, 2, 3):  # stage 0 differs (no input gradient to credit): from stage 1
         assert cid[4 - n + 1, n - 1] == cid[1, n - 1]  # ending at 4
     assert cid[4, 1] != cid[1, 1] and cid[3, 2] != cid[1, 2]  # 4..5, 3..5: across the step
@@ -186,8 +188,8 @@ def test_pruned_search_returns_the_unpruned_schedule(c: C.Chain, budget: int, dc
     ties break as without them: the schedule read back, not just its cost, equals the one of
     the program without caps."""
     free = budget - c.base_bytes
-    shape = O._Shape.of(O.stage_table(c), dc)
-    pruned = O.search(shape, free)
+    shape = P.Shape.of(P.stage_table(c), dc)
+    pruned = Q.search(shape, free)
     full = shape.fill(free, None) if free >= 0 else None
     if pruned is None or full is None:
         assert pruned is None and (full is None or full.point(0, c.n - 1, 0, free) is None)
@@ -199,11 +201,11 @@ def test_pruned_search_returns_the_unpruned_schedule(c: C.Chain, budget: int, dc
 @settings(max_examples=60, deadline=None)
 @given(repeating_chains(max_k=14), st.integers(0, 120), st.integers(0, 4000))
 def test_a_starting_cost_changes_nothing(c: C.Chain, budget: int, upper: int) -> None:
-    """The search's first caps may come from any plan's cost (optimal.upper_cost), too low or
+    """The search's first caps may come from any plan's cost (``optimal.upper_cost``), too low or
     high: the program found, and so the plan, is the same as without it."""
     free = budget - c.base_bytes
-    shape = O._Shape.of(O.stage_table(c), True)
-    plain, started = O.search(shape, free), O.search(shape, free, upper)
+    shape = P.Shape.of(P.stage_table(c), True)
+    plain, started = Q.search(shape, free), Q.search(shape, free, upper)
     assert (plain is None) == (started is None)
     if plain is not None and started is not None:
         assert plain.point(0, c.n - 1, 0, free) == started.point(0, c.n - 1, 0, free)
@@ -226,7 +228,7 @@ def test_long_uniform_chain_nests_and_stays_exact(extra: int) -> None:
     """60 equal stages: near the least peak the optimum nests regions; the search (caps,
     sharing) equals the full program at every budget."""
     c = uniform_chain(60)
-    least = O.least_need(O._Shape.of(O.stage_table(c), True))
+    least = P.least_need(P.Shape.of(P.stage_table(c), True))
     free = least + extra
     cost, sch = O.solve(c, free)
     assert sch is not None and cost == full_program(c, free, share=False)
@@ -243,18 +245,18 @@ def test_a_probing_search_returns_the_unpruned_schedule(extra: int,
     probes (the top level's slack PROBE_TOP times the bodies'): the program it returns still
     holds the full program's optimum and schedule."""
     c = uniform_chain(60)
-    shape = O._Shape.of(O.stage_table(c), True)
-    free = O.least_need(shape) + extra
+    shape = P.Shape.of(P.stage_table(c), True)
+    free = P.least_need(shape) + extra
     probes: list[int] = []
-    caps = O._cost_caps
+    caps = Q.cost_caps
 
     def spy(*args: object) -> object:
         if len(args) > 3 and args[3] is not None:
             probes.append(int(args[3]))  # type: ignore[call-overload]
         return caps(*args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(O, "_cost_caps", spy)
-    found = O.search(shape, free)
+    monkeypatch.setattr(Q, "cost_caps", spy)
+    found = Q.search(shape, free)
     full = shape.fill(free, None)
     assert probes, "the search never probed: this case no longer covers it"
     assert found is not None
@@ -269,18 +271,18 @@ def test_a_probes_plan_above_its_slack_is_proved_by_one_last_fill(
     more than its bodies' slack above the bound: one last fill, every slack that plan's, keeps
     every cheaper plan, and its optimum and schedule are the full program's."""
     c = uniform_chain(60)
-    shape = O._Shape.of(O.stage_table(c), True)
-    free = O.least_need(shape) + extra
+    shape = P.Shape.of(P.stage_table(c), True)
+    free = P.least_need(shape) + extra
     fills: list[tuple[int, int] | None] = []
-    fill = O._Shape.fill
+    fill = P.Shape.fill
 
-    def spy(self: O._Shape, free: int, caps: tuple[np.ndarray, int] | None,
-            *by_need: object) -> O._Program:
+    def spy(self: P.Shape, free: int, caps: tuple[np.ndarray, int] | None,
+            *by_need: object) -> P.Program:
         fills.append(None if caps is None else (int(caps[0][0]), int(caps[1])))
         return fill(self, free, caps, *by_need)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(O._Shape, "fill", spy)
-    found = O.search(shape, free)
+    monkeypatch.setattr(P.Shape, "fill", spy)
+    found = Q.search(shape, free)
     assert found is not None and None not in fills
     *_, (probe_top, probe_inner), (last_top, last_inner) = fills  # type: ignore[misc]
     assert probe_top - probe_inner > last_top - last_inner  # the probe's top level: larger
@@ -308,7 +310,7 @@ def test_costs_in_units_stay_within_half_a_unit_per_run(extra: int) -> None:
     c = scaled(uniform_chain(150))  # over COARSE_STAGES: shorter chains are counted exactly
     cost, unit = O.cost_units(c, None)
     assert cost is not None and unit > 1 and not np.rint(c.fcheap / unit).any()
-    free = O.least_need(O._Shape.of(O.stage_table(c), True)) + extra * 10
+    free = P.least_need(P.Shape.of(P.stage_table(c), True)) + extra * 10
     exact, best = O.solve(c, free)  # FLOPs, exact
     assert best is not None
     plan = O.plan_optimal(c, c.base_bytes + free)
@@ -326,7 +328,7 @@ def test_least_peak_schedules_are_remembered_by_content(monkeypatch: pytest.Monk
     searches: list[int] = []
     search = O.search
 
-    def spy(shape: O._Shape, free: int, upper: int | None = None) -> O._Program | None:
+    def spy(shape: P.Shape, free: int, upper: int | None = None) -> P.Program | None:
         searches.append(free)
         return search(shape, free, upper)
 
@@ -346,15 +348,15 @@ def test_least_peak_schedules_are_remembered_by_content(monkeypatch: pytest.Monk
 
 @pytest.mark.parametrize("extra", [3, 40, 400])
 def test_chain_longer_than_the_coarse_one_stays_exact(extra: int) -> None:
-    """150 stages: the search starts from the 100-group plan's cost (optimal.upper_cost) and
+    """150 stages: the search starts from the 100-group plan's cost (``optimal.upper_cost``) and
     still finds the full program's optimum; schedule_cost is the simulated cost."""
     c = uniform_chain(150)
     assert c.n > O.COARSE_STAGES
-    free = O.least_need(O._Shape.of(O.stage_table(c), True)) + extra
-    assert O.upper_cost(c, O.stage_table(c), free, True) is not None or extra < 40
+    free = P.least_need(P.Shape.of(P.stage_table(c), True)) + extra
+    assert O.upper_cost(c, P.stage_table(c), free, True) is not None or extra < 40
     cost, sch = O.solve(c, free)
     assert sch is not None and cost == full_program(c, free, share=False)
-    assert O.schedule_cost(O.stage_table(c), sch) == S.simulate(c, sch)[1] == cost
+    assert P.schedule_cost(P.stage_table(c), sch) == S.simulate(c, sch)[1] == cost
 
 
 @pytest.mark.parametrize("name", sorted(TINY))
@@ -418,7 +420,7 @@ def test_measured_times_of_one_kind_are_averaged() -> None:
     noisy = [1.0 + 0.01 * (s % 3) for s in range(11)] + [0.001]
     mean = noisy[:1] + [float(np.mean(noisy[1:11]))] * 10 + noisy[11:]
     assert O.kind_means(c, 1e9 * np.array(noisy)).tolist() == [round(1e9 * m) for m in mean]
-    budget = c.base_bytes + O.least_need(O._Shape.of(O.stage_table(c), True)) + 30
+    budget = c.base_bytes + P.least_need(P.Shape.of(P.stage_table(c), True)) + 30
     assert (PLANNERS["optimal"](c, budget, stage_time_s=noisy).schedule
             == PLANNERS["optimal"](c, budget, stage_time_s=mean).schedule)
 
@@ -429,14 +431,14 @@ def test_a_starting_cost_changes_nothing_where_the_search_probes(extra: int) -> 
     starting cost caps the probes' top level (``search``). From a cost below the optimum (no
     plan fits it), at it, or above, the program found is the one found without."""
     c = uniform_chain(60)
-    shape = O._Shape.of(O.stage_table(c), True)
-    free = O.least_need(shape) + extra
-    plain = O.search(shape, free)
+    shape = P.Shape.of(P.stage_table(c), True)
+    free = P.least_need(shape) + extra
+    plain = Q.search(shape, free)
     assert plain is not None
     best = plain.point(0, c.n - 1, 0, free)
     assert best is not None
     for upper in (int(c.f.sum()), best[0] - 1, best[0], best[0] + 1, 2 * best[0]):
-        started = O.search(shape, free, upper)
+        started = Q.search(shape, free, upper)
         assert started is not None
         assert started.point(0, c.n - 1, 0, free) == best
         assert started.schedule(0, c.n - 1, 0, free) == plain.schedule(0, c.n - 1, 0, free)

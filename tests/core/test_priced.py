@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 from memplan.core import chain as C
 from memplan.core.planners import frontier as F
-from memplan.core.planners import optimal as O
+from memplan.core.planners import program as P
+from memplan.core.planners import search as Q
 from memplan.core.planners.body_bounds import fill_bounds, item_kinds
 from memplan.core.planners.priced import relax
 from tests.core.test_planners import chains, repeating_chains, uniform_chain
@@ -17,8 +18,8 @@ from tests.core.test_planners import chains, repeating_chains, uniform_chain
 CHAINS = st.one_of(chains(), repeating_chains(max_k=12))
 
 
-def _setup(c: C.Chain, budget: int, dc: bool = True) -> tuple[O._Shape, int, O._Program]:
-    shape = O._Shape.of(O.stage_table(c), dc)
+def _setup(c: C.Chain, budget: int, dc: bool = True) -> tuple[P.Shape, int, P.Program]:
+    shape = P.Shape.of(P.stage_table(c), dc)
     free = budget - c.base_bytes
     return shape, free, shape.fill(free, None)
 
@@ -71,8 +72,8 @@ def test_caps_cut_what_no_plan_within_them_uses() -> None:
     relaxation's root is within 1 % of the optimum, and the caps of the optimum's own cost
     keep a tenth of the frontiers' points (302 of 2828), and the optimum."""
     c = uniform_chain(60)
-    shape = O._Shape.of(O.stage_table(c), True)
-    free = O.least_need(shape) + 20
+    shape = P.Shape.of(P.stage_table(c), True)
+    free = P.least_need(shape) + 20
     full = shape.fill(free, None)
     hit = full.point(0, c.n - 1, 0, free)
     assert hit is not None
@@ -93,26 +94,26 @@ def test_search_proves_a_probes_plan_under_caps_by_need(extra: int, reprobe: int
     (REPROBE), the search returns the unpruned program's optimum and schedule. (At extra 2
     the probe's plan costs the relaxation's root: nothing to probe for.)"""
     c = uniform_chain(60)
-    shape = O._Shape.of(O.stage_table(c), True)
-    free = O.least_need(shape) + extra
-    monkeypatch.setattr(O, "PRICED", 1)
-    monkeypatch.setattr(O, "REPROBE", reprobe)
+    shape = P.Shape.of(P.stage_table(c), True)
+    free = P.least_need(shape) + extra
+    monkeypatch.setattr(Q, "PRICED", 1)
+    monkeypatch.setattr(Q, "REPROBE", reprobe)
     fills: list[tuple[bool, bool]] = []  # (capped by need, a probe's cost caps)
     probe = [False]
-    cost_caps, fill = O._cost_caps, O._Shape.fill
+    cost_caps, fill = Q.cost_caps, P.Shape.fill
 
     def caps_spy(*args: object) -> object:
         probe[0] = len(args) > 3 and args[3] is not None
         return cost_caps(*args)  # type: ignore[arg-type]
 
-    def fill_spy(self: O._Shape, free: int, caps: object, by_need: object = None
-                 ) -> O._Program:
+    def fill_spy(self: P.Shape, free: int, caps: object, by_need: object = None
+                 ) -> P.Program:
         fills.append((by_need is not None, probe[0]))
         return fill(self, free, caps, by_need)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(O, "_cost_caps", caps_spy)
-    monkeypatch.setattr(O._Shape, "fill", fill_spy)
-    found = O.search(shape, free)
+    monkeypatch.setattr(Q, "cost_caps", caps_spy)
+    monkeypatch.setattr(P.Shape, "fill", fill_spy)
+    found = Q.search(shape, free)
     assert fills[-1][0], "the proof was not capped by need: this case no longer covers it"
     if extra > 2:  # the probe's plan lies above the root: probed again, or not
         assert ((True, True) in fills) == (reprobe == 0)

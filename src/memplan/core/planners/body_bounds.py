@@ -1,5 +1,5 @@
 """Lower bounds on a region body's cost as a function of its free bytes: the optimal planner's
-proof of optimality at tight budgets (``optimal.search``).
+proof of optimality at tight budgets (``search``).
 
 Inside a body s..t (``frontier``: C(s, t, m, dr)) every stage runs forward once, and the
 stages its own level does not keep run again. The stages it keeps hold bytes until their

@@ -30,7 +30,7 @@ I32 = npt.NDArray[np.int32]
 NEG = -(1 << 61)  # the need of the empty sequence
 BIG = 1 << 62
 KEEP, DROP_CHEAP = -1, -2
-# Rows of the stage table (``optimal.stage_table``), one column per stage.
+# Rows of the stage table (``program.stage_table``), one column per stage.
 (COST, CHEAP, X, XBAR, DPREV, XSAC, TF_TOP, TF_IN, NEED_B, DC_NEED, TF0_TOP, TF0_IN, GF_IN,
  GB, EXIT_TOP) = range(15)
 ROWS = 15

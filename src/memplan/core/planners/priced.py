@@ -1,5 +1,5 @@
 """Caps by free bytes for every subproblem of the optimal planner's program, from a relaxation
-priced by ``body_bounds``: the proof of optimality at tight budgets (``optimal.search``).
+priced by ``body_bounds``: the proof of optimality at tight budgets (``search``).
 
 A plan's cost is its top level's (keeps, drop-cheaps, each region's first forward) plus each
 top-level body's. With every body priced by its bound instead, a plan's top level is a path
