@@ -195,6 +195,26 @@ def test_error_in_the_model_is_a_capture_error() -> None:
         memplan.capture(model, torch.randn(3, 4))
 
 
+def test_inputs_passed_as_one_tuple_are_named_in_the_error() -> None:
+    """capture(model, (x, mask)) hands forward one tuple: the error says to unpack it."""
+    class TwoInputs(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            return self.lin(x) * mask
+
+    x, mask = torch.randn(3, 4), torch.ones(3, 2)
+    with pytest.raises(CaptureError, match=r"a tuple of 2: pass the model's inputs as separate "
+                                           r"arguments, memplan.capture\(model, \*inputs"):
+        memplan.capture(TwoInputs(), (x, mask))
+    with pytest.raises(CaptureError) as plain_err:  # an error of the model itself: no hint
+        memplan.capture(nn.Sequential(nn.Linear(4, 5), nn.Linear(4, 2)), x)
+    assert "separate arguments" not in str(plain_err.value)
+    assert memplan.capture(TwoInputs(), x, mask).ops  # unpacked: captured
+
+
 def test_error_in_apply_check_is_a_plan_mismatch() -> None:
     """A model that fails on the plan's inputs is not the plan's model (issue 12.4)."""
     x = torch.randn(3, 4)

@@ -146,7 +146,21 @@ def run_step(target: Target, *, simulate: bool, record: bool, device: str | None
             f"capture: the training step of {target.name} raised {type(err).__name__} on fake "
             f"tensors: {err}. Check that it runs plainly (model(*inputs), loss_fn(output), "
             "backward) on these inputs; if it does, file an issue with the model."
+            + _packed(target, err)
         ) from err
+
+
+def _packed(target: Target, err: Exception) -> str:
+    """A hint where the inputs came packed: ``capture(model, (x, edge_index))`` gives the
+    forward one tuple (the public functions take a model's inputs as separate arguments)."""
+    if not isinstance(err, TypeError) or target.user_model is None:
+        return ""
+    inputs = target.build()[1]  # a user model's: the objects passed, nothing built
+    if len(inputs) != 1 or not isinstance(inputs[0], (tuple, list)):
+        return ""
+    return (f" The one input given is a {type(inputs[0]).__name__} of {len(inputs[0])}: pass "
+            "the model's inputs as separate arguments, memplan.capture(model, *inputs, "
+            "loss_fn=...).")
 
 
 @dataclass
