@@ -9,9 +9,11 @@ bucket: ``LP``. A bucket's state keeps, beside its least cost, the least bytes a
 it holds, exactly, and steps add exact bytes to those: the merged state is at least as good
 as each prefix merged into it (no more cost, no more bytes), a bound only falls with more free
 bytes, so LP bounds every real prefix from below, and LP's least over the whole chain (R)
-bounds the optimum. (Rounding each step's bytes down to its bucket instead lost up to a bucket
-per stage: on LSTM T=2048 at 0.6 GB, 2,000 stages, R was 2.238 forward passes against the
-optimum 2.394; now 2.372.)
+bounds the optimum. Its cost and bytes may come from different prefixes, so the bound weakens
+where a bucket is large against a stage's bytes (LSTM T=2048 at 10 GB: buckets of 9.6 MB, a
+step holds 7.6 MB; R is the forward pass alone); ``search`` prices only tight budgets. There,
+rounding each step's bytes down to its bucket, as before, lost more (T=2048 at 0.6 GB: R 2.238
+forward passes, now 2.372, against the optimum 2.394).
 
 Caps for a plan costing at most ``upper`` (Sec. 4 of the proof, ``search``):
 - a body, at any depth, at m bytes costs at most its bound at m plus upper - R: its excess
