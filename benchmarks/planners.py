@@ -1,5 +1,6 @@
 """Planner benchmark (issue 14): the optimal and ilp planners on ResNet-1000 and the LSTM at
-T=1024 over a budget table, and planning times (ResNet-1000, LSTM T=2048).
+T=1024 over a budget table, and planning times (ResNet-1000 at 4.5 GB, LSTM T=2048 over
+budgets from near its least peak to half its plain peak; each also at its least peak).
 
     PYTHONPATH=src OMP_NUM_THREADS=1 .venv/bin/python benchmarks/planners.py \\
         [--graphs out] [--json out/planners.json] [--before out/planners-before.json]
@@ -46,8 +47,10 @@ CASES: dict[str, tuple[str, str, dict[str, int], dict[float, float | None]]] = {
                                   {"steps": 1024},
                                   {0.5: 42.96, 0.6: 32.69, 0.7: 32.20, 1.0: 30.96, 3.0: 23.32}),
 }
-TIMED = {"ResNet-1000": ("graph-resnet1000.json", "resnet", {"depth": 1000, "batch": 32}, 4.5),
-         "LSTM T=2048": ("graph-lstm2048.json", "lstm", {"steps": 2048}, None)}
+# Budgets in GB (None: a sixteenth of the plain peak); each is timed, and the least peak.
+TIMED = {"ResNet-1000": ("graph-resnet1000.json", "resnet", {"depth": 1000, "batch": 32}, (4.5,)),
+         "LSTM T=2048": ("graph-lstm2048.json", "lstm", {"steps": 2048},
+                         (0.45, 0.6, None, 3.0, 10.0))}
 
 
 def graph(graphs: str, file: str, name: str, params: dict[str, int]) -> Graph:
@@ -128,14 +131,16 @@ def fmt_row(r: dict[str, Any], before: dict[str, Any] | None = None, side: bool 
 
 def planning_times(graphs: str, repeat: int) -> list[dict[str, Any]]:
     """From a captured Graph (capture and JSON loading excluded): build_chain (no cache), then
-    optimal at a mid budget and without one (the least peak); min and median of ``repeat``."""
+    optimal at each budget of ``TIMED`` and without one (the least peak); min and median of
+    ``repeat``."""
     rows: list[dict[str, Any]] = []
-    for label, (file, name, params, budget_gb) in TIMED.items():
+    for label, (file, name, params, budgets_gb) in TIMED.items():
         g = graph(graphs, file, name, params)
         chain = C.build_chain(g)
         plain = S.simulate(chain, S.plain_schedule(chain))[0]
-        mid = int(budget_gb * GB) if budget_gb else plain // 16
-        for what, budget in ((f"@ {mid / GB:.3f} GB", mid), ("least peak", None)):
+        budgets = [int(b * GB) if b else plain // 16 for b in budgets_gb]
+        cases = [(f"@ {b / GB:.3f} GB", b) for b in budgets] + [("least peak", None)]
+        for what, budget in cases:
             build, wall, cpu = [], [], []
             for _ in range(repeat):
                 graph_arrays._ARRAYS.clear()  # nothing cached: every run starts from the bare Graph
@@ -155,11 +160,12 @@ def planning_times(graphs: str, repeat: int) -> list[dict[str, Any]]:
     return rows
 
 
-def fmt_time(r: dict[str, Any], before: dict[str, Any] | None = None) -> str:
+def fmt_time(r: dict[str, Any], before: dict[str, Any] | None = None, side: bool = False
+             ) -> str:
     def mm(v: list[float]) -> str:
         return f"{min(v):.3f} / {statistics.median(v):.3f} s"
 
-    old = [mm(before["wall"]), mm(before["cpu"])] if before else []
+    old = [mm(before["wall"]), mm(before["cpu"])] if before else ["-", "-"] if side else []
     return (f"| {r['model']} ({r['stages']} stages) | {r['case']} | {mm(r['build'])} | "
             + " | ".join(old + [mm(r["wall"]), mm(r["cpu"])])
             + f" | {r['peak'] / GB:.3f} GB, {r['extra']:.2f}% |")
@@ -198,7 +204,7 @@ def report(rows: list[dict[str, Any]], times: list[dict[str, Any]],
     print(f"\n| graph | case | build_chain | {wall}plan wall | plan CPU | plan |")
     print("|---" * (6 + (2 if before else 0)) + "|")
     for r in times:
-        print(fmt_time(r, old_t.get((r["model"], r["case"]))))
+        print(fmt_time(r, old_t.get((r["model"], r["case"])), before is not None))
 
 
 def main() -> None:
