@@ -11,9 +11,10 @@ as each prefix merged into it (no more cost, no more bytes), a bound only falls 
 bytes, so LP bounds every real prefix from below, and LP's least over the whole chain (R)
 bounds the optimum. Its cost and bytes may come from different prefixes, so the bound weakens
 where a bucket is large against a stage's bytes (LSTM T=2048 at 10 GB: buckets of 9.6 MB, a
-step holds 7.6 MB; R is the forward pass alone); ``search`` prices only tight budgets. There,
-rounding each step's bytes down to its bucket, as before, lost more (T=2048 at 0.6 GB: R 2.238
-forward passes, now 2.372, against the optimum 2.394).
+step holds 7.6 MB; R is the forward pass alone); ``search`` prices only a probe's plan far
+above the bound, which tight budgets make. There, rounding each step's bytes down to its
+bucket, as before, lost more (T=2048 at 0.6 GB: R 2.238 forward passes, now 2.372, against
+the optimum 2.394).
 
 Caps for a plan costing at most ``upper`` (Sec. 4 of the proof, ``search``):
 - a body, at any depth, at m bytes costs at most its bound at m plus upper - R: its excess
