@@ -57,7 +57,7 @@ def broken_forward() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
 
 
 # Rich markup and terminal escapes in module names: printed as they are, never obeyed.
-ODD_NAMES = ("[/red]", "[bold]b", "\x1b[2Jc")
+ODD_NAMES = ("[/red]", "[bold]b", "\x1b[2Jc", ":llama:")
 
 
 class _OddNames(nn.Module):
@@ -75,3 +75,6 @@ class _OddNames(nn.Module):
 def odd_names() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     torch.manual_seed(0)
     return _OddNames(), (torch.randn(4, 16),)
+
+
+llama = odd_names  # a factory name that is an emoji code in a title ("...:llama: plan")

@@ -244,16 +244,20 @@ def test_a_failed_write_after_the_work_keeps_the_plan(
 
 def test_odd_module_names_print_as_they_are(tmp_path: Path,
                                             capsys: pytest.CaptureFixture[str]) -> None:
-    """Rich markup in module names ended in a MarkupError; an ESC cleared the screen."""
+    """Rich markup in module names ended in a MarkupError; an ESC cleared the screen; an
+    emoji code (':llama:', also in a factory 'userfac:llama' before ': plan') printed 🦙."""
     out_file = tmp_path / "odd.json"
-    assert main(["plan", "tests.factories:odd_names", "--planner", "sqrt", "--all-stages",
+    assert main(["plan", "tests.factories:llama", "--planner", "sqrt", "--all-stages",
                  "-o", str(out_file)]) == 0
     out = capsys.readouterr().out
+    assert "tests.factories:llama: plan" in out
     assert "blocks.[/red]" in out and "blocks.[bold]b" in out and "blocks.\\x1b[2Jc" in out
+    assert "blocks.:llama:" in out and "\N{LLAMA}" not in out
     assert "\x1b" not in out
     assert main(["explain", str(out_file)]) == 0
     text = capsys.readouterr().out
     assert "\x1b" not in text and "[/red]" in text and "\\x1b[2Jc" in text
+    assert ":llama:" in text and "\N{LLAMA}" not in text
     modules = {s.module for s in memplan.Plan.from_json(out_file.read_text()).stages}
     assert {f"blocks.{name}" for name in ODD_NAMES} <= modules  # stored as they are
 

@@ -32,3 +32,16 @@ def test_no_status_on_a_pipe() -> None:
     with working(Console(file=pipe, force_terminal=False), "capturing"):
         memplan.capture(small("lstm"))
     assert pipe.getvalue() == ""
+
+
+def test_status_text_prints_as_it_is() -> None:
+    """A path or factory in the status ('runs/[/red]', 'pkg:llama: ...') is text, not rich
+    markup: '[/red]' ended in a MarkupError, ':llama:' printed an emoji."""
+    screen = io.StringIO()
+    console = Console(file=screen, force_terminal=True, width=120)
+    with working(console, "verifying runs/[/red]/p.json on pkg:llama: a step",
+                 count_calls=False) as say:
+        say("bench pkg:llama: [bold]plain")
+    shown = screen.getvalue()
+    assert "runs/[/red]/p.json on pkg:llama: a step" in shown
+    assert "bench pkg:llama: [bold]plain" in shown and "\N{LLAMA}" not in shown

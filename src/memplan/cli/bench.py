@@ -119,8 +119,9 @@ def run(args: argparse.Namespace) -> int:
     console = wide_console()
     total = len(cfg.sizes) * B.method_count(cfg)
     start = time.perf_counter()
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), console=console, transient=False) as bar:
+    with Progress(TextColumn("{task.description}", markup=False), BarColumn(),
+                  MofNCompleteColumn(), TimeElapsedColumn(), console=console,
+                  transient=False) as bar:
         task = bar.add_task(f"bench {cfg.model} ({cfg.mode})", total=total)
 
         def tick(label: str) -> None:

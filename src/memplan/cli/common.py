@@ -26,9 +26,10 @@ MAX_ERROR_CHARS = 2000
 
 def wide_console(markup: bool = False) -> Console:
     """A console; 120 columns when writing to a pipe or log (rich's default there is 80).
-    No markup by default: module names, paths and specs print as they are ("[red]" too)."""
-    console = Console(markup=markup, highlight=False)
-    return console if console.is_terminal else Console(width=120, markup=markup,
+    No markup by default and no emoji codes ever: module names, paths and specs print as they
+    are ("[red]" and ":llama:" too; a factory 'pkg:llama' titles a table 'pkg:llama: ...')."""
+    console = Console(markup=markup, emoji=False, highlight=False)
+    return console if console.is_terminal else Console(width=120, markup=markup, emoji=False,
                                                        highlight=False)
 
 

@@ -44,7 +44,7 @@ def working(console: Console, what: str, count_calls: bool = True
     columns: list[ProgressColumn] = [SpinnerColumn(), TimeElapsedColumn()]
     if count_calls:
         columns.append(_Calls(calls))
-    columns.append(TextColumn("{task.description}"))
+    columns.append(TextColumn("{task.description}", markup=False))
     progress = Progress(*columns, console=console, transient=True)
     handle = torch.nn.modules.module.register_module_forward_hook(count) if count_calls else None
     try:

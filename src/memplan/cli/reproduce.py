@@ -52,8 +52,8 @@ def run(args: argparse.Namespace) -> int:
     sweeps = [s for f, s in ((5, A.QUICK5 if args.quick else A.FIG5),
                              (6, A.QUICK6 if args.quick else A.FIG6)) if f in figs]
     fig7 = (A.QUICK7 if args.quick else A.FIG7) if 7 in figs else []
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), console=console) as bar:
+    with Progress(TextColumn("{task.description}", markup=False), BarColumn(),
+                  MofNCompleteColumn(), TimeElapsedColumn(), console=console) as bar:
         task = bar.add_task("Fig. 5/6 (simulated, paper scale)",
                             total=sum(len(s[3]) for s in sweeps + fig7))
 
