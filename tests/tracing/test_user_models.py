@@ -353,11 +353,33 @@ class InplaceOnViews(nn.Module):
         return self.convs(y)
 
 
+class CopyIntoSlices(nn.Module):
+    """HF DeepSeek-V3's attention (``expand_kv``): keys built by copy_ into slices of a
+    new_empty tensor. The slices' nodes were read after the copy_ wrote them, while autograd
+    made them again under its lock: a deadlock."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kv = nn.Linear(16, 16)
+        self.rot = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kv = self.kv(x).view(2, 4, 2, 8).transpose(1, 2)
+        k, v = torch.split(kv, [4, 4], dim=-1)
+        rot = self.rot(x).view(2, 1, 4, 4).expand(-1, 2, -1, -1)
+        keys = kv.new_empty(*kv.shape[:-1], 8)
+        keys[..., :4].copy_(k)
+        keys[..., 4:].copy_(rot)
+        return torch.cat([keys.softmax(-1), v], -1).relu()
+
+
 def inplace_on_views_case() -> None:
     """Run in a subprocess by the test below: a deadlock must fail the test, not hang it."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
     _planned_step_is_exact(InplaceOnViews(), (torch.randn(2, 4, 16),),
+                           lambda out: out.square().mean())
+    _planned_step_is_exact(CopyIntoSlices(), (torch.randn(2, 4, 16),),
                            lambda out: out.square().mean())
     print("inplace-ok")
 

@@ -183,6 +183,14 @@ ENTRIES = [
                                       num_experts=4, moe_intermediate_size=32,
                                       shared_expert_intermediate_size=32)),
     Entry("hf-olmoe", LIB, causal("OlmoeForCausalLM", "OlmoeConfig", **MOE, num_experts=4)),
+    # latent attention (keys built by copy_ into slices of new_empty) and grouped routing
+    Entry("hf-deepseek-v3", LIB, causal("DeepseekV3ForCausalLM", "DeepseekV3Config",
+                                        **{**MOE, "num_key_value_heads": 2},
+                                        n_routed_experts=4, moe_intermediate_size=32,
+                                        first_k_dense_replace=1, q_lora_rank=16,
+                                        kv_lora_rank=16, qk_rope_head_dim=8,
+                                        qk_nope_head_dim=8, v_head_dim=16, n_group=2,
+                                        topk_group=1)),
     # encoders
     Entry("hf-bert", LIB, masked_lm("BertForMaskedLM", "BertConfig", **BERTISH)),
     Entry("hf-roberta", LIB, classifier("RobertaForSequenceClassification", "RobertaConfig",

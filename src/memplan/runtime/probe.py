@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from memplan.tracing.fake import fake_forward, model_device, real_forward, spec_
 from memplan.tracing.module_hooks import global_module_hooks
 from memplan.tracing.opinfo import is_counted
 from memplan.tracing.step import no_cyclic_gc
+from memplan.tracing.view_replays import ViewReplays
 
 
 @dataclass
@@ -135,11 +137,21 @@ class _Count(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.kept: set[int] = set()  # values alive when the forward returned
         self.saves: list[tuple[int, int, bool]] = []  # per autograd save (units.Values)
         self.hooked = False  # a module call began or ended since the last op
+        self.replays = ViewReplays()  # autograd's replays of views written in place
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # never compiled; and ``replays`` reads the op's caller: no wrapper frames
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if not is_counted(func):
             return func(*args, **kwargs)
+        replays = self.replays
+        if replays.watch is not None and replays.is_replay(func, args, sys._getframe(1)):
+            out = self.oracle.call(func, args, kwargs)  # autograd remaking a view's node
+            replays.replayed(out)
+            return out
         out = self.oracle.call(func, args, kwargs)
         index = len(self.targets)
         self.targets.append(str(func))
@@ -152,12 +164,15 @@ class _Count(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 if not reads or reads[-1] != index:
                     reads.append(index)
         first = index
-        for t, mode in written_tensors(func, args, kwargs):
+        written = written_tensors(func, args, kwargs)
+        for t, mode in written:
             if mode == WRITE_ONLY:  # batch_norm's running statistics
                 continue
             vid = self.live.get(t.untyped_storage()._cdata)
             first = min(first, -1 if vid is None else self.values[vid][0])
         self.outside.append(first)
+        if written:
+            replays.written([t for t, _ in written], tensors((args, kwargs)), sys._getframe(1))
         for o in tensors(out):
             storage = o.untyped_storage()
             key = storage._cdata

@@ -34,11 +34,13 @@ holds leads back to the graph's nodes.
 from __future__ import annotations
 
 import contextlib
+import sys
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memplan.runtime.entries import record_op, record_unit, unit_arguments
@@ -54,8 +56,11 @@ from memplan.runtime.tape import (
     UnitInfo,
     rng_state,
     tensor_leaves,
+    write_spots,
+    written_tensors,
 )
 from memplan.tracing.opinfo import is_counted
+from memplan.tracing.view_replays import ViewReplays
 
 
 class _Unit:
@@ -304,6 +309,7 @@ class PlanMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
     def __init__(self, state: StepState) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.state = state
+        self.replays = ViewReplays()  # on fake tensors (a simulated step): autograd's replays
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -313,9 +319,19 @@ class PlanMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
         if func.namespace == "prim":
-            return func(*args, **(kwargs or {}))
-        return self.state.run_op(func, args, kwargs or {})
+            return func(*args, **kwargs)
+        replays = self.replays
+        if replays.watch is not None and replays.is_replay(func, args, sys._getframe(1)):
+            out = func(*args, **kwargs)  # autograd remaking a view's node: no op of the step
+            replays.replayed(out)
+            return out
+        out = self.state.run_op(func, args, kwargs)
+        if type(out) is FakeTensor and write_spots(func)[0]:  # real tensors never replay
+            replays.written([t for t, _ in written_tensors(func, args, kwargs)],
+                            tensor_leaves((args, kwargs)), sys._getframe(1))
+        return out
 
 
 @contextlib.contextmanager

@@ -29,7 +29,7 @@ class AutogradNodes:
     values: list[Any]
     event: int
     _grad_of: int
-    _pending: list[tuple[int, list[tuple[weakref.ref[torch.Tensor], bool]], int]]
+    _pending: list[tuple[int, list[weakref.ref[torch.Tensor]], int]]
     _hooked_nodes: set[int]
     _node_refs: list[tuple[Any, int]]
     _saved_names: dict[type, tuple[str, ...]]
@@ -109,20 +109,14 @@ class AutogradNodes:
         pending, self._pending = self._pending, []
         for index, refs, tries in pending:
             waiting = []
-            for ref, via_base in refs:
+            for ref in refs:
                 t = ref()
                 if t is None:
                     continue
-                if via_base:
-                    # The op wrote a view in place: reading t.grad_fn regenerates the view's
-                    # node under an autograd lock that may be held right now (autograd
-                    # replays the view on fake tensors through this mode): a deadlock. The
-                    # op's node is in the CopySlices autograd put on the base.
-                    t = t._base if t._base is not None else t
                 node = t.grad_fn
                 if node is None:
                     if tries < 4:
-                        waiting.append((ref, via_base))
+                        waiting.append(ref)
                     continue
                 if id(node) in self._hooked_nodes:
                     continue

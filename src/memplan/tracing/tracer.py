@@ -9,6 +9,7 @@ rescans every weak reference on every op instead: ~245 s on ResNet-1000 here).
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -24,6 +25,7 @@ from memplan.tracing.autograd_nodes import AutogradNodes
 from memplan.tracing.datadep import Oracle
 from memplan.tracing.opcache import FakeOpCache, fake_tensor
 from memplan.tracing.opinfo import OpInfo, op_info, shape_key, tensors_of
+from memplan.tracing.view_replays import ViewReplays
 
 
 @dataclass(slots=True)
@@ -97,8 +99,9 @@ class StepTracer(AutogradNodes, TorchDispatchMode):  # type: ignore[no-untyped-c
         self._paused = 0
         self.paused_ops: list[str] | None = None  # when a list: counted ops run paused, logged
         self._grad_of = -1
-        # (forward op, its outputs (and whether to read the node off their base), tries)
-        self._pending: list[tuple[int, list[tuple[weakref.ref[torch.Tensor], bool]], int]] = []
+        # (forward op, its outputs (a view written in place: its base), tries)
+        self._pending: list[tuple[int, list[weakref.ref[torch.Tensor]], int]] = []
+        self._replays = ViewReplays()
         self._hooked_nodes: set[int] = set()
         self._node_refs: list[tuple[Any, int]] = []
         self._info: dict[int, tuple[Any, OpInfo]] = {}  # id(func) -> (func, its info)
@@ -292,8 +295,13 @@ class StepTracer(AutogradNodes, TorchDispatchMode):  # type: ignore[no-untyped-c
             # autograd dispatches detach for saved outputs only when no saved-tensor hooks are
             # set (the runtime sets them), and detach allocates nothing.
             if self.paused_ops is not None and info.counted:
-                self.paused_ops.append(info.target)
+                return self._logged(func, info, args, kwargs, sys._getframe(1))
             return self._run(func, args, kwargs)
+        replays = self._replays
+        if replays.watch is not None and replays.is_replay(func, args, sys._getframe(1)):
+            out = self._run(func, args, kwargs)  # autograd remaking a view's node
+            replays.replayed(out)
+            return out
         if self._pending:
             self._hook_pending_nodes()
         self.event += 1
@@ -320,6 +328,25 @@ class StepTracer(AutogradNodes, TorchDispatchMode):  # type: ignore[no-untyped-c
         self._note_peak()
         if self.record:
             self._record(info, args, inputs, made, out_tensors, out)
+        if info.mutated and self.phase == "forward":
+            replays.written([args[p] for p in info.mutated if p < len(args)],
+                            tensors_of(args, kwargs), sys._getframe(1))
+        return out
+
+    def _logged(self, func: Any, info: OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any],
+                caller: Any) -> Any:
+        """A counted op run paused, logged in ``paused_ops`` as capture would count it."""
+        replays = self._replays
+        if replays.watch is not None and replays.is_replay(func, args, caller):
+            out = self._run(func, args, kwargs)
+            replays.replayed(out)
+            return out
+        assert self.paused_ops is not None
+        self.paused_ops.append(info.target)
+        out = self._run(func, args, kwargs)
+        if info.mutated:
+            replays.written([args[p] for p in info.mutated if p < len(args)],
+                            tensors_of(args, kwargs), caller)
         return out
 
     def _record(
@@ -344,10 +371,16 @@ class StepTracer(AutogradNodes, TorchDispatchMode):  # type: ignore[no-untyped-c
             rec = _OpRec(len(self.ops), info.target, module, uniq_inputs, made, mutated,
                          [], flops)
             self.ops.append(rec)
-            # An op that writes a view in place: see _hook_pending_nodes.
+            # An op that writes a view in place: its node is the CopySlices autograd puts on
+            # the view's base. The view's own grad_fn would be made again (on fake tensors by
+            # replaying its view ops: ``view_replays``), and the view may be gone by the next
+            # op (F.relu(y.view(..), inplace=True) drops it).
             inplace = bool(info.mutated)
-            self._pending.append((rec.index, [(weakref.ref(t), inplace and t._is_view())
-                                              for t in out_tensors], 0))
+            refs = []
+            for t in out_tensors:
+                base = t._base if inplace else None
+                refs.append(weakref.ref(t if base is None else base))
+            self._pending.append((rec.index, refs, 0))
         else:
             grad_of = self._grad_of
             module = self.ops[grad_of].module if grad_of >= 0 else "<accumulate>"
@@ -404,6 +437,7 @@ class StepTracer(AutogradNodes, TorchDispatchMode):  # type: ignore[no-untyped-c
         self._packed.clear()
         self._node_refs.clear()
         self._pending.clear()
+        self._replays.clear()
         self._constants.clear()
 
 
