@@ -3,6 +3,8 @@ executions per op equal to the plan's mirror counts; measured peak equal to the 
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import functools
 from collections import Counter
 from typing import Any
@@ -312,3 +314,74 @@ def test_many_steps_do_not_grow_memory() -> None:
             peaks.append((live_tensors(), memplan.measure(model, x, y, loss_fn=_tower_loss,
                                                           simulate=False).peak_bytes))
     assert peaks[0] == peaks[1]
+
+
+class _Scan(nn.Module):
+    """A linear recurrence written a time step at a time into a zeros_like output (HF
+    RecurrentGemma's RG-LRU): its storage is made once and written in place 8 times."""
+
+    def forward(self, h: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(h)
+        state = torch.zeros(h.shape[0], h.shape[2])
+        for t in range(h.shape[1]):
+            state = a[:, t] * state + h[:, t]
+            out[:, t] = state
+        return out
+
+
+class _ScanNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.x, self.y, self.o = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16)
+        self.scan = _Scan()
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.y(z))
+        return self.o(self.scan(self.x(z), torch.sigmoid(y)) * y)
+
+
+def test_a_replay_runs_the_writes_of_what_it_gives_back() -> None:
+    """A region over the scan and the op that saves its output: the replay stopped after the
+    op that made the output's storage, before the 8 writes into it (the runtime's stop read
+    makers only; ``core.scopes`` models makers and writers), and gave back zeros: y's
+    gradients differed. Every region of one or two stages now gives plain gradients, and a
+    step peaks where the plan's evaluation says, to the byte, on real and fake tensors."""
+    from memplan.core import chain as C
+    from memplan.core import schedule as S
+    from memplan.core.evaluate import evaluate
+    from memplan.core.plan import make_plan
+
+    torch.manual_seed(0)
+    model = _ScanNet()
+    x = torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(1))
+    graph = memplan.capture(model, x, loss_fn=_square)
+    chain = C.build_chain(graph, list(range(len(graph.cut_points))))
+    reference = _plain_step(model, x)
+    checked = 0
+    for first in range(chain.n - 1):
+        for last in range(first, min(first + 2, chain.n - 1)):
+            region = S.Region(first, last, tuple(S.Keep(s) for s in range(first, last + 1)))
+            schedule = (*(S.Keep(s) for s in range(first)), region,
+                        *(S.Keep(s) for s in range(last + 1, chain.n)))
+            plan = make_plan(chain, schedule, "test", {}, None)
+            plan = dataclasses.replace(plan, forward=graph.forward,
+                                       peak_bytes=evaluate(graph, plan).peak_bytes)
+            applied = memplan.apply(copy.deepcopy(model), plan)
+            got = _plain_step(applied, x)
+            assert all(torch.equal(a, b) for a, b in zip(reference, got)), (first, last)
+            for simulate in (False, True):
+                peak = memplan.measure(applied, x, loss_fn=_square, simulate=simulate,
+                                       repeat=1).peak_bytes
+                assert peak == plan.peak_bytes, (first, last, simulate)
+            checked += 1
+    assert checked >= 8 and chain.modules.count("scan") >= 1
+
+
+def _square(out: torch.Tensor) -> torch.Tensor:
+    return out.square().mean()
+
+
+def _plain_step(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    _square(model(x)).backward()  # type: ignore[no-untyped-call]
+    return [p.grad for p in model.parameters() if p.grad is not None]

@@ -174,6 +174,12 @@ ENTRIES = [
     Entry("hf-stablelm", LIB, causal("StableLmForCausalLM", "StableLmConfig", **GQA,
                                      hidden_dropout=DROP)),
     Entry("hf-olmo", LIB, causal("OlmoForCausalLM", "OlmoConfig", **GQA)),
+    # a recurrence written a step at a time into slices of its output (RG-LRU), stateful
+    Entry("hf-recurrent-gemma", LIB, causal("RecurrentGemmaForCausalLM", "RecurrentGemmaConfig",
+                                            hidden_size=32, intermediate_size=64,
+                                            num_hidden_layers=3, num_attention_heads=2,
+                                            vocab_size=VOCAB, lru_width=32,
+                                            attention_window_size=16, pad_token_id=0)),
     # mixtures of experts (the default experts implementation, grouped_mm)
     Entry("hf-mixtral", LIB, causal("MixtralForCausalLM", "MixtralConfig", **MOE,
                                     num_local_experts=4)),

@@ -101,6 +101,7 @@ def record_op(scope: Scope, tapes: list[Tape], snaps: dict[tuple[Any, ...], torc
     flat, spec = flatten_args(args, kwargs)
     leaves: list[Any] = []
     refs: list[Pos] = []
+    wrote: list[Pos] = []
     ids = tape.ids
     nested = scope.parent is not None
     for leaf in flat:
@@ -112,6 +113,8 @@ def record_op(scope: Scope, tapes: list[Tape], snaps: dict[tuple[Any, ...], torc
             pos = hit[0]
             leaves.append(Ref(pos))
             refs.append(pos)
+            if written is not None and id(leaf) in written:
+                wrote.append(pos)
             if nested:
                 note_input(scope, pos)
             continue
@@ -131,7 +134,7 @@ def record_op(scope: Scope, tapes: list[Tape], snaps: dict[tuple[Any, ...], torc
         ids[id(o)] = ((e, k), weakref.ref(o))  # Tape.register
         if held:
             tape.held[(e, k)] = o.detach()
-    tape.entries.append(OpEntry(func, spec, leaves, tuple(refs), expensive))
+    tape.entries.append(OpEntry(func, spec, leaves, tuple(refs), expensive, tuple(wrote)))
     extend(scope, e)
     return out
 

@@ -167,9 +167,10 @@ def _entries_to_run(tape: Tape, first: int, last: int, want: dict[Pos, None],
     """The entries a replay runs, and the unit (-1: none) that stops at its last save.
 
     Like torch's non-reentrant checkpoint, a replay stops once it has everything it gives
-    back (``core.evaluate`` models the same stop): it runs the entries up to the last one
-    that makes a storage it needs (a wanted tensor's, a unit's saved tensors), then only the
-    views after it that give wanted tensors (of storages made before, or outside tensors).
+    back (``core.scopes`` models the same stop): it runs the entries up to the last one
+    that makes or writes in place a storage it needs (a wanted tensor's, a unit's saved
+    tensors; a scan's output written a slice at a time), then only the views after it that
+    give wanted tensors (of storages made before, or outside tensors).
     That last entry, a unit none of whose outputs is needed, stops at its last save, before
     the rest of its call runs (autograd saves an op's inputs before running it)."""
     end = -1
@@ -180,6 +181,12 @@ def _entries_to_run(tape: Tape, first: int, last: int, want: dict[Pos, None],
         end = max(end, b)
     for e in unit_saves:
         end = max(end, e)
+    made = {b for b in bases if b >= 0}  # storages made in the scope (others: as they are)
+    for e in range(max(first, end + 1), last + 1):
+        entry = tape.entries[e]
+        if (isinstance(entry, OpEntry) and entry.writes and not (drop and entry.expensive)
+                and any(_base(tape, p[0], first, drop) in made for p in entry.writes)):
+            end = e
     views: set[int] = set()
     for p in want:
         e = p[0]

@@ -49,15 +49,16 @@ class Ext:
 class OpEntry:
     """An aten op recorded on the tape."""
 
-    __slots__ = ("expensive", "func", "leaves", "refs", "spec")
+    __slots__ = ("expensive", "func", "leaves", "refs", "spec", "writes")
 
     def __init__(self, func: Any, spec: Any, leaves: list[Any], refs: tuple[Pos, ...],
-                 expensive: bool) -> None:
+                 expensive: bool, writes: tuple[Pos, ...] = ()) -> None:
         self.func = func
         self.spec = spec
         self.leaves = leaves
         self.refs = refs
         self.expensive = expensive
+        self.writes = writes  # the tape values it writes in place (of ``refs``)
 
 
 @dataclass(eq=False)
