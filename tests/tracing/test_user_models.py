@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor
 from torch import nn
 
 import memplan
@@ -187,6 +188,35 @@ def test_moe_routing_loop_is_exact() -> None:
     model, x = LoopMoE(), torch.randn(12, 8)
     plan = _planned_step_is_exact(model, (x,), lambda out: out.square().mean())
     assert any("aten.nonzero.default" in n for n in plan.notes)
+
+
+class SplitMoE(nn.Module):
+    """HF JetMoe's routing: expert sizes by ``tolist()``, tokens by ``split``; before it, a
+    check HF runs on real tensors only (``mask.all()``, skipped on fake ones): its bools
+    took the place of the sizes."""
+
+    def __init__(self, width: int = 8, experts: int = 4) -> None:
+        super().__init__()
+        self.gate = nn.Linear(width, experts, bias=False)
+        self.experts = nn.ModuleList(_blocks(experts, width))
+        self.out = nn.Linear(width, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not isinstance(x, FakeTensor) and bool((x.abs() >= 0).all()):
+            x = x * 1.0
+        chosen = self.gate(x).argmax(-1)
+        order = chosen.argsort()
+        sizes = torch.bincount(chosen, minlength=len(self.experts)).tolist()
+        parts = x[order].split(sizes, dim=0)
+        y = torch.cat([e(p) for e, p in zip(self.experts, parts)])
+        return self.out(torch.zeros_like(x).index_add(0, order, y))
+
+
+def test_items_a_real_forward_takes_alone_do_not_shift_the_others() -> None:
+    torch.manual_seed(1)
+    plan = _planned_step_is_exact(SplitMoE(), (torch.randn(12, 8),),
+                                  lambda out: out.square().mean())
+    assert any("aten._local_scalar_dense.default" in n for n in plan.notes)
 
 
 def test_error_in_the_model_is_a_capture_error() -> None:

@@ -52,6 +52,14 @@ def _in_shapes(args: Any, kwargs: Any) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(a.shape) for a in flat if isinstance(a, torch.Tensor))
 
 
+def _key(name: str, args: Any, kwargs: Any) -> str:
+    """An op's records, one queue per op and input dtypes: a real forward may take items the
+    fake one skips (HF checks ``mask.all()`` only on real tensors), and those bools must not
+    shift the integers of a later ``tolist`` (HF JetMoe's expert sizes)."""
+    flat, _ = tree_flatten((args, kwargs))
+    return name + str([a.dtype for a in flat if isinstance(a, torch.Tensor)])
+
+
 class Oracle:
     """What data-dependent ops returned in a real forward, handed to the fake one.
 
@@ -119,7 +127,7 @@ class Oracle:
             raise
 
     def _next(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Record:
-        key = str(func)
+        key = _key(str(func), args, kwargs)
         assert self.records is not None
         queue = self.records.get(key, [])
         n = self._taken[key]
@@ -166,7 +174,7 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if self.oracle.watched(func):
-            self.add(str(func), _in_shapes(args, kwargs), out)
+            self.add(_key(str(func), args, kwargs), _in_shapes(args, kwargs), out)
         return out
 
     def add(self, key: str, in_shapes: tuple[tuple[int, ...], ...], out: Any) -> None:
@@ -192,8 +200,9 @@ class _ToList(TorchFunctionMode):
         out = func(*args, **(kwargs or {}))
         if func is torch.Tensor.tolist:
             flat, _ = tree_flatten(out)
+            key = _key(_SCALAR, args[0], {})  # as each element's .item() on fake tensors
             for item in flat:
-                self.recorder.add(_SCALAR, ((),), item)
+                self.recorder.add(key, ((),), item)
         return out
 
 
