@@ -189,6 +189,8 @@ ENTRIES = [
                                       num_experts=4, moe_intermediate_size=32,
                                       shared_expert_intermediate_size=32)),
     Entry("hf-olmoe", LIB, causal("OlmoeForCausalLM", "OlmoeConfig", **MOE, num_experts=4)),
+    Entry("hf-jetmoe", LIB, causal("JetMoeForCausalLM", "JetMoeConfig", **MOE,
+                                   num_local_experts=4, kv_channels=16)),  # sizes by tolist
     # latent attention (keys built by copy_ into slices of new_empty) and grouped routing
     Entry("hf-deepseek-v3", LIB, causal("DeepseekV3ForCausalLM", "DeepseekV3Config",
                                         **{**MOE, "num_key_value_heads": 2},
@@ -199,6 +201,8 @@ ENTRIES = [
                                         topk_group=1)),
     # encoders
     Entry("hf-bert", LIB, masked_lm("BertForMaskedLM", "BertConfig", **BERTISH)),
+    Entry("hf-megatron-bert", LIB, masked_lm("MegatronBertForMaskedLM", "MegatronBertConfig",
+                                             **BERTISH)),  # pre-LN
     Entry("hf-roberta", LIB, classifier("RobertaForSequenceClassification", "RobertaConfig",
                                         **BERTISH)),
     Entry("hf-deberta-v2", LIB, classifier("DebertaV2ForSequenceClassification",
