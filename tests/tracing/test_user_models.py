@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from torch._subclasses.fake_tensor import FakeTensor
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 import memplan
 from memplan.core.graph import EXTERNAL, Graph
