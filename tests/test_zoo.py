@@ -39,10 +39,6 @@ KNOWN: dict[tuple[str, str], str] = {
     ("pyg-gcn", "ilp"): "planner: budget below the floor",
     ("pyg-gat", "ilp"): "planner: no plan under budget",
     ("torch-lstm", "ilp"): "planner: no plan under budget",
-    # Found 2026-11-25: a module call replayed as a unit (units.py) holds 24,448 B more than
-    # the op tape the plan's evaluation models; with no units, measured = predicted exactly.
-    ("hf-megatron-bert", "optimal"): "budget broken: measured > predicted",
-    ("hf-megatron-bert", "ilp"): "budget broken: measured > predicted",
 }
 
 
