@@ -8,10 +8,10 @@ plan's memory model is the op tape's, so a region replays a call as a unit only 
 keeps its replay at or below the op tape's at every op (not only at its peak: the step may
 peak while another replay is alive): the bytes its replay keeps alive are computed for both
 from one forward on fake tensors (each value's birth, reads and death, in op counts), and
-calls are given back to the tape, outermost first where the excess is, until it fits. Nor is a call a unit where the region's tape would keep an argument the op
-tape does not: a tensor from before the region that no op of the region reads (``pos``
-again), which the tape would hold into backward, where the plan's model lets it die with the
-forward.
+calls are given back to the tape, outermost first where the excess is, until it fits. Nor
+is a call a unit where the region's tape would keep an argument the op tape does not: a
+tensor from before the region that no op of the region reads (``pos`` again), which the tape
+would hold into backward, where the plan's model lets it die with the forward.
 """
 
 from __future__ import annotations
@@ -194,8 +194,9 @@ def _held_args(units: list[Call]) -> dict[int, int]:
 def _over(alive: list[int], tape: list[int], first: int) -> int:
     """The first op where a replay keeps more alive than the op tape at the same op (after
     the tape's replay stopped: more than it keeps then); -1: nowhere."""
+    kept = tape[-1] if tape else 0
     for i, n in enumerate(alive):
-        if n > (tape[i] if i < len(tape) else tape[-1] if tape else 0):
+        if n > (tape[i] if i < len(tape) else kept):
             return first + i
     return -1
 
