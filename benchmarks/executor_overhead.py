@@ -48,6 +48,7 @@ import memplan
 from memplan.analysis.peers import _torch_segments, checkpoint_sequential_segments, peer_workload
 from memplan.core import chain as C
 from memplan.core import schedule as S
+from memplan.core.evaluate import evaluate, with_evaluation
 from memplan.core.plan import make_plan
 from memplan.models import Workload
 from memplan.runtime.apply import apply
@@ -93,6 +94,8 @@ def unit_plan(w: Workload, graph: memplan.Graph, unit_ends: list[int],
             items.extend(S.Keep(t) for t in range(s, e + 1))
         s = e + 1
     plan = make_plan(chain, tuple(items), "units", {"units": len(unit_ends)}, None)
+    # The runtime's peak and replay headroom, as memplan.plan gives them (its units use it).
+    plan = with_evaluation(plan, evaluate(graph, plan))
     return dataclasses.replace(plan, forward=graph.forward)
 
 

@@ -4,6 +4,7 @@ or whose parameters changed since, is an error, never a silent difference."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
@@ -13,8 +14,9 @@ from torch import nn
 import memplan
 from memplan.core import chain as C
 from memplan.core import schedule as S
-from memplan.core.evaluate import evaluate
+from memplan.core.evaluate import evaluate, with_evaluation
 from memplan.core.plan import make_plan
+from memplan.models.lstm import LSTM
 from memplan.runtime import units as U
 from memplan.runtime.apply import applied_state
 
@@ -48,6 +50,10 @@ class Net(nn.Module):
 
 def _loss(out: torch.Tensor) -> torch.Tensor:
     return out.square().mean()
+
+
+def _same(out: torch.Tensor) -> torch.Tensor:
+    return out
 
 
 def _applied(planner: str = "sqrt") -> tuple[Net, torch.Tensor]:
@@ -161,8 +167,8 @@ def _pos_region(model: PosNet, first: int, last: int) -> tuple[memplan.Plan, int
     schedule = (*(S.Keep(s) for s in range(first)), region,
                 *(S.Keep(s) for s in range(last + 1, chain.n)))
     plan = make_plan(chain, schedule, "test", {}, None)
-    plan = dataclasses.replace(plan, forward=graph.forward,
-                               peak_bytes=evaluate(graph, plan).peak_bytes)
+    plan = dataclasses.replace(with_evaluation(plan, evaluate(graph, plan)),
+                               forward=graph.forward)
     memplan.apply(model, plan)
     measured = memplan.measure(model, x, loss_fn=_loss, simulate=False, repeat=1)
     return plan, measured.peak_bytes
@@ -237,3 +243,49 @@ def test_a_replay_stops_at_the_last_save() -> None:
                          [*saves, (6, 5, True)])
     assert U._tape_end(0, 6, out_saved) == 6
     assert U._replay_end(0, 6, [call], out_saved) == (6, [call])
+
+
+# --- the room the plan leaves below its peak ----------------------------------------------------
+
+
+def test_cells_holding_their_gates_are_units_within_the_plans_room() -> None:
+    """memplan's LSTM cells hold their gates (``chunk`` views) to the call's end, one op past
+    the op tape's last read: over the op tape there, so no cell is a unit when the plan says
+    nothing of the room its step leaves below its peak (``replay_headroom_bytes`` 0). With
+    the room ``memplan.plan`` evaluates, cells are units, and the step peaks at the plan's
+    prediction to the byte with gradients equal to the plain step's."""
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(0)
+    x, target = torch.randn(8, 4, 8, generator=gen), torch.randint(0, 10, (8, 4), generator=gen)
+    torch.manual_seed(0)
+    model = LSTM(input_size=8, hidden=32, layers=2, num_classes=10)
+    plain = copy.deepcopy(model)
+    plain(x, target).backward()
+    plan = memplan.plan(model, x, target, loss_fn=_same, planner="sqrt")
+    assert any(st.replay_headroom_bytes > 0 for st in plan.stages)
+    strict = dataclasses.replace(plan, stages=tuple(
+        dataclasses.replace(st, replay_headroom_bytes=0) for st in plan.stages))
+    for p, cells in ((strict, 0), (plan, None)):
+        m = memplan.apply(copy.deepcopy(model), p)
+        units = applied_state(m).layout.units  # type: ignore[union-attr]
+        found = sum(len(units.get(f"cells.{i}", ())) for i in range(2))
+        assert found == cells if cells is not None else found > 0
+        measured = memplan.measure(m, x, target, loss_fn=_same, simulate=False, repeat=1)
+        assert measured.peak_bytes == p.peak_bytes
+        m(x, target).backward()
+        for a, b in zip(plain.parameters(), m.parameters(), strict=True):
+            assert torch.equal(a.grad, b.grad)  # type: ignore[arg-type]
+
+
+def test_a_call_over_the_tape_is_a_unit_within_its_room() -> None:
+    """The made-up call A of ``test_a_call_holding_a_dead_value_goes_to_the_tape`` holds a
+    100-byte value two ops past the tape's last read: a unit where the step has 100 bytes of
+    room at those ops, not where it has 99."""
+    saves = [(i + 1, 2 + i, False) for i in range(6)]
+    values = U.Values(made=[0, 3] + list(range(6)), read=[0, 3] + list(range(6)),
+                      freed=[3, 6] + [-1] * 6, nbytes=[100, 100] + [10] * 6, saves=saves)
+    a, b = U.Call("a", 1, 0, 3, True), U.Call("b", 1, 3, 6, True)
+    assert U.choose([(0, 5)], [a, b], values, [100] * 6) == {"a": frozenset({1}),
+                                                             "b": frozenset({1})}
+    assert U.choose([(0, 5)], [a, b], values, [99] * 6) == {}
+    assert U.choose([(0, 5)], [a, b], values, [100] * 3 + [0] * 3) == {"a": frozenset({1})}

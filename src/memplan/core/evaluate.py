@@ -34,7 +34,7 @@ derived once per Graph): the walk over every op of a long graph is what a user o
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import numpy.typing as npt
@@ -53,17 +53,32 @@ I64 = npt.NDArray[np.int64]
 
 @dataclass(frozen=True)
 class Evaluation:
-    """The evaluated step: its peak, the forward's peak, and where the peak is."""
+    """The evaluated step: its peak, the forward's peak, where the peak is, and per forward
+    op the least the step stays below its peak while a replay runs the op
+    (``Timeline.replay_headroom``)."""
 
     peak_bytes: int
     forward_peak_bytes: int
     peak_at: str
+    replay_headroom: I64 = field(compare=False, repr=False,
+                                 default_factory=lambda: np.zeros(0, dtype=np.int64))
 
 
 def evaluate(graph: g.Graph, plan: Plan) -> Evaluation:
     """The peak bytes of ``graph``'s step run under ``plan`` by the runtime (see the module
     docstring), exact to the byte where the runtime behaves as modelled."""
     return evaluate_scopes(plan_scopes(graph, plan))
+
+
+def with_evaluation(plan: Plan, ev: Evaluation) -> Plan:
+    """``plan`` with its evaluated peak (``ev``, of this plan) as ``peak_bytes`` and, per
+    recomputed stage, the least replay headroom over its ops (``Stage.replay_headroom_bytes``,
+    which the runtime's units may use)."""
+    room = ev.replay_headroom
+    stages = tuple(replace(st, replay_headroom_bytes=int(room[st.first_op: st.last_op + 1].min()))
+                   if st.mode == "recompute" and st.first_op < len(room) else st
+                   for st in plan.stages)
+    return replace(plan, peak_bytes=ev.peak_bytes, stages=stages)
 
 
 def plan_scopes(graph: g.Graph, plan: Plan) -> PlanScopes:
@@ -106,8 +121,10 @@ def evaluate_scopes(ps: PlanScopes) -> Evaluation:
     timeline = Timeline(ps)
     intervals = joined([_originals(ps, timeline), _tape_copies(ps, timeline),
                         replay_intervals(ps, timeline)])
-    peak, forward_peak, at = timeline.sweep(intervals, ps.g)
-    return Evaluation(peak, forward_peak, timeline.where(at, ps.g))
+    live = timeline.live(intervals)
+    peak, forward_peak, at = timeline.sweep(live, ps.g)
+    return Evaluation(peak, forward_peak, timeline.where(at, ps.g),
+                      timeline.replay_headroom(live, peak))
 
 
 def _originals(ps: PlanScopes, timeline: Timeline) -> Intervals:
@@ -165,4 +182,4 @@ def _moment(m: I64, event: I64) -> I64:
 
 
 __all__ = ["Evaluation", "evaluate", "evaluate_scopes", "idle_of", "idle_scopes",
-           "plan_scopes", "replay_counts"]
+           "plan_scopes", "replay_counts", "with_evaluation"]

@@ -19,7 +19,14 @@ from memplan.core import chain as C
 from memplan.core import graph as g
 from memplan.core import schedule as S
 from memplan.core.budget import budget_too_small, format_bytes
-from memplan.core.evaluate import evaluate, evaluate_scopes, idle_of, idle_scopes, plan_scopes
+from memplan.core.evaluate import (
+    evaluate,
+    evaluate_scopes,
+    idle_of,
+    idle_scopes,
+    plan_scopes,
+    with_evaluation,
+)
 from memplan.core.floor import peak_floor
 from memplan.core.plan import Plan, make_plan
 from memplan.core.planners import PLANNERS
@@ -208,8 +215,7 @@ def _evaluated(graph: g.Graph, plan: Plan) -> Plan:
                 f"estimated {plan.peak_bytes:,} B), at {ev.peak_at}")
         notes += (note,)
     plain = graph.peak_bytes or plan.plain_peak_bytes
-    return dataclasses.replace(plan, peak_bytes=ev.peak_bytes, plain_peak_bytes=plain,
-                               notes=notes)
+    return dataclasses.replace(with_evaluation(plan, ev), plain_peak_bytes=plain, notes=notes)
 
 
 def _floored(graph: g.Graph, plan: Plan) -> Plan:

@@ -39,6 +39,9 @@ class Stage:
     fwd_flops: int
     recompute_ops: tuple[int, ...] = ()  # drop-cheap: ops whose outputs are recomputed
     boundary: str = "call"  # how the runtime finds its end (graph.CutPoint.kind)
+    # While a replay runs the stage's ops, the least the evaluated step stays below the plan's
+    # peak: what a replay may keep beyond the op tape's there (``runtime.units``); 0: unknown.
+    replay_headroom_bytes: int = 0
 
 
 @dataclass(frozen=True)

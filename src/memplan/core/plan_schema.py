@@ -122,7 +122,7 @@ def _stages(value: object) -> int:
     next_op = 0
     for i, raw in enumerate(stages):
         where = f"stages[{i}]"
-        st = _keys(raw, where, _STAGE, ("boundary",))
+        st = _keys(raw, where, _STAGE, ("boundary", "replay_headroom_bytes"))
         _int(st["index"], f"{where}.index", lo=i, hi=i)
         _int(st["first_op"], f"{where}.first_op", lo=next_op, hi=next_op)
         last = _int(st["last_op"], f"{where}.last_op", lo=next_op)
@@ -132,6 +132,7 @@ def _stages(value: object) -> int:
             raise _bad(f"{where}.mode", f"one of {list(MODES)}", st["mode"])
         _int(st["saved_bytes"], f"{where}.saved_bytes")
         _int(st["fwd_flops"], f"{where}.fwd_flops")
+        _int(st.get("replay_headroom_bytes", 0), f"{where}.replay_headroom_bytes")
         if st.get("boundary", "call") not in BOUNDARIES:
             raise _bad(f"{where}.boundary", f"one of {list(BOUNDARIES)}", st["boundary"])
         ops = _list(st["recompute_ops"], f"{where}.recompute_ops")

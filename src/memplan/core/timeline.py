@@ -58,18 +58,41 @@ class Timeline:
         """``replay_end`` of every scope (meaningless for those never replayed)."""
         return self.base + 2 * self.length - 1
 
-    def sweep(self, intervals: Intervals, graph: g.Graph) -> tuple[int, int, int]:
-        """(peak bytes, the forward's peak bytes, the moment of the peak)."""
+    def live(self, intervals: Intervals) -> I64:
+        """The bytes alive at every moment."""
         birth, death, nbytes = intervals
         ok = death >= birth
         delta = np.zeros(self.n_moments + 1, dtype=np.int64)
         np.add.at(delta, birth[ok], nbytes[ok])
         np.add.at(delta, np.minimum(death[ok], self.n_moments - 1) + 1, -nbytes[ok])
-        live = np.cumsum(delta[:-1])
+        out: I64 = np.cumsum(delta[:-1])
+        return out
+
+    def sweep(self, live: I64, graph: g.Graph) -> tuple[int, int, int]:
+        """(peak bytes, the forward's peak bytes, the moment of the peak) of ``live``."""
         at = int(np.argmax(live))
         fwd_end = int(self.moment_of_event[len(graph.ops) - 1]) + 1 if graph.ops else 0
         fwd_peak = int(live[:fwd_end].max()) if fwd_end else 0
         return int(live[at]), fwd_peak, at
+
+    def replay_headroom(self, live: I64, peak_bytes: int) -> I64:
+        """Per op (of ``ps.n``), the least the step stays below ``peak_bytes`` while a replay
+        runs it: from the moment of its copies to that of the next op's (what an op's output
+        and the values it frees span); for a region's ops after its replay stops, at the stop
+        (a unit, ``runtime.units``, may run on there). ``peak_bytes`` where nothing replays.
+        What a replay may keep beyond the op tape's without raising the step's peak."""
+        ps = self.ps
+        room = np.full(ps.n, peak_bytes, dtype=np.int64)
+        for s in self.order:
+            ops = ps.replayed(s)
+            end = self.replay_end(s) if len(ops) else int(self.moment_of_event[ps.trigger[s]])
+            if len(ops):
+                m = self.base[s] + 2 * np.arange(len(ops), dtype=np.int64)
+                worst = np.maximum(np.maximum(live[m], live[m + 1]), live[np.minimum(m + 2, end)])
+                np.minimum.at(room, ops, peak_bytes - worst)
+            rest = slice(int(ops[-1]) + 1 if len(ops) else int(ps.lo[s]), int(ps.hi[s]) + 1)
+            room[rest] = np.minimum(room[rest], peak_bytes - live[end])
+        return room
 
     def where(self, moment: int, graph: g.Graph) -> str:
         """What runs at ``moment``, for people."""

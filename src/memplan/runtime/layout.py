@@ -91,7 +91,11 @@ def layout(plan: Plan, n_ops: int, call_ends: dict[str, list[int]],
         end_calls.append((st.module, ends.index(st.last_op + 1) + 1))
     units: dict[str, frozenset[int]] = {}
     if calls and values is not None:
-        units = U.choose(_flat_regions(stages, scope, templates), calls, values)
+        room = [0] * n_ops
+        for st in stages:
+            room[st.first_op: st.last_op + 1] = [st.replay_headroom_bytes] * (
+                st.last_op + 1 - st.first_op)
+        units = U.choose(_flat_regions(stages, scope, templates), calls, values, room[:n_ops])
     return Layout(scope, end_calls, templates, units, end_ops)
 
 

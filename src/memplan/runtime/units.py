@@ -6,9 +6,11 @@ as the op tape does, and the replay keeps its arguments until it has run it, rea
 or not (x-transformers hands ``pos`` to every attention block, which never reads it). The
 plan's memory model is the op tape's, so a region replays a call as a unit only where that
 keeps its replay at or below the op tape's at every op (not only at its peak: the step may
-peak while another replay is alive): the bytes its replay keeps alive are computed for both
-from one forward on fake tensors (each value's birth, reads and death, in op counts), and
-calls are given back to the tape, outermost first where the excess is, until it fits. Nor
+peak while another replay is alive), plus what the plan's evaluated step leaves below its
+peak there (``Stage.replay_headroom_bytes``): the bytes its replay keeps alive are computed
+for both from one forward on fake tensors (each value's birth, reads and death, in op
+counts), and calls are given back to the tape, outermost first where the excess is, until it
+fits. Nor
 is a call a unit where the region's tape would keep an argument the op tape does not: a
 tensor from before the region that no op of the region reads (``pos`` again), which the tape
 would hold into backward, where the plan's model lets it die with the forward.
@@ -52,10 +54,11 @@ class Values:
     reads: list[list[int]] = field(default_factory=list)
 
 
-def choose(regions: list[tuple[int, int]], calls: list[Call], values: Values
-           ) -> dict[str, frozenset[int]]:
+def choose(regions: list[tuple[int, int]], calls: list[Call], values: Values,
+           headroom: list[int] | None = None) -> dict[str, frozenset[int]]:
     """Units (module path -> call numbers) for each region ``(first_op, last_op)``: the
-    outermost safe calls inside it, as long as its replay peak stays the op tape's."""
+    outermost safe calls inside it, as long as its replay keeps no more than the op tape's
+    plus ``headroom`` (per op, ``Stage.replay_headroom_bytes``; none: 0) at every op."""
     chosen: dict[str, set[int]] = {}
     ordered = sorted((c for c in calls if c.safe and c.first_op < c.end_op),
                      key=lambda c: (c.first_op, -c.end_op))
@@ -64,7 +67,8 @@ def choose(regions: list[tuple[int, int]], calls: list[Call], values: Values
         lo, hi = bisect.bisect_left(starts, first), bisect.bisect_left(starts, last + 1)
         inside = [c for c in ordered[lo:hi] if c.end_op <= last + 1
                   and not _keeps_unread(c, first, last, values)]
-        for c in _fit(first, last, inside, values):
+        room = headroom[first: last + 1] if headroom else []
+        for c in _fit(first, last, inside, values, room + [0] * (last + 1 - first - len(room))):
             chosen.setdefault(c.path, set()).add(c.number)
     return {path: frozenset(numbers) for path, numbers in sorted(chosen.items())}
 
@@ -93,17 +97,20 @@ def _outermost(calls: list[Call], allowed: set[int]) -> list[Call]:
     return out
 
 
-def _fit(first: int, last: int, calls: list[Call], values: Values) -> list[Call]:
-    """Units whose replay keeps no more alive than the op tape's at any op, not only at its
-    peak: the step peaks where another replay's values are alive too, which may be anywhere
-    in this one (HF MegatronBert: an encoder layer's unit held the attention mask it is given
-    past the tape's last read of it, 24,448 B over the plan where the next layer replayed)."""
+def _fit(first: int, last: int, calls: list[Call], values: Values, room: list[int]
+         ) -> list[Call]:
+    """Units whose replay keeps no more alive than the op tape's plus ``room`` (per op of the
+    region) at any op, not only at its peak: the step peaks where another replay's values are
+    alive too, which may be anywhere in this one (HF MegatronBert: an encoder layer's unit
+    held the attention mask it is given past the tape's last read of it, 24,448 B over the
+    plan where the next layer replayed). ``room`` is the plan's evaluated step below its peak
+    there, so the step's peak stays the plan's."""
     tape = _profile(first, _tape_end(first, last, values) - 1, [], values)
     allowed = set(range(len(calls)))
     for _ in range(MAX_ROUNDS):
         units = _outermost(calls, allowed)
         end, run = _replay_end(first, last, units, values)
-        at = _over(_profile(first, end - 1, run, values), tape, first)
+        at = _over(_profile(first, end - 1, run, values), tape, first, room)
         if at < 0:
             return units
         culprit = _culprit(calls, allowed, units, at, values)
@@ -191,12 +198,13 @@ def _held_args(units: list[Call]) -> dict[int, int]:
     return held
 
 
-def _over(alive: list[int], tape: list[int], first: int) -> int:
+def _over(alive: list[int], tape: list[int], first: int, room: list[int]) -> int:
     """The first op where a replay keeps more alive than the op tape at the same op (after
-    the tape's replay stopped: more than it keeps then); -1: nowhere."""
+    the tape's replay stopped: more than it keeps then) plus that op's ``room``; -1:
+    nowhere."""
     kept = tape[-1] if tape else 0
     for i, n in enumerate(alive):
-        if n > (tape[i] if i < len(tape) else kept):
+        if n > (tape[i] if i < len(tape) else kept) + room[i]:
             return first + i
     return -1
 
