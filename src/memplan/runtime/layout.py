@@ -91,11 +91,9 @@ def layout(plan: Plan, n_ops: int, call_ends: dict[str, list[int]],
         end_calls.append((st.module, ends.index(st.last_op + 1) + 1))
     units: dict[str, frozenset[int]] = {}
     if calls and values is not None:
-        room = [0] * n_ops
-        for st in stages:
-            room[st.first_op: st.last_op + 1] = [st.replay_headroom_bytes] * (
-                st.last_op + 1 - st.first_op)
-        units = U.choose(_flat_regions(stages, scope, templates), calls, values, room[:n_ops])
+        room = [st.replay_headroom_bytes for st in stages  # per op: stages tile them
+                for _ in range(st.first_op, st.last_op + 1)][:n_ops]
+        units = U.choose(_flat_regions(stages, scope, templates), calls, values, room)
     return Layout(scope, end_calls, templates, units, end_ops)
 
 

@@ -10,10 +10,9 @@ peak while another replay is alive), plus what the plan's evaluated step leaves 
 peak there (``Stage.replay_headroom_bytes``): the bytes its replay keeps alive are computed
 for both from one forward on fake tensors (each value's birth, reads and death, in op
 counts), and calls are given back to the tape, outermost first where the excess is, until it
-fits. Nor
-is a call a unit where the region's tape would keep an argument the op tape does not: a
-tensor from before the region that no op of the region reads (``pos`` again), which the tape
-would hold into backward, where the plan's model lets it die with the forward.
+fits. Nor is a call a unit where the region's tape would keep an argument the op tape does
+not: a tensor from before the region that no op of the region reads (``pos`` again), which
+the tape would hold into backward, where the plan's model lets it die with the forward.
 """
 
 from __future__ import annotations
