@@ -54,7 +54,8 @@ def invariants(plan: Plan) -> None:
     assert n >= 1
     ints = [plan.peak_bytes, plan.plain_peak_bytes, plan.extra_flops, plan.step_flops,
             plan.base_bytes] + [v for s in plan.stages for v in (
-                s.index, s.first_op, s.last_op, s.mirror, s.saved_bytes, s.fwd_flops)]
+                s.index, s.first_op, s.last_op, s.mirror, s.saved_bytes, s.fwd_flops,
+                s.replay_headroom_bytes)]
     assert all(type(v) is int and 0 <= v < 2**63 for v in ints)
     assert plan.budget_bytes is None or (type(plan.budget_bytes) is int
                                          and 0 < plan.budget_bytes < 2**63)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import re
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -128,3 +129,24 @@ def test_fine_boundaries_apply_exactly(name: str, kind: str) -> None:
     state = applied_state(model)
     assert state is not None and state.last is not None and state.last.finished
     assert state.last.stage == len(state.layout.end_calls) - 1
+
+
+@pytest.mark.parametrize("planner", ["sqrt", "optimal@half"])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_replay_headroom_is_what_replays_leave_below_the_peak(name: str, planner: str) -> None:
+    """``Stage.replay_headroom_bytes`` (what runtime.units may keep beyond the op tape): none
+    for a stage not recomputed, none where a replay makes the step's peak (the sqrt plans of
+    resnet and unet), and never more than the peak. That the step's measured peak stays the
+    plan's with units using it is ``test_evaluated_peak_equals_real_run``."""
+    plan = _plan(name, planner)
+    graph = _case(name)[1]
+    ev = evaluate(graph, plan)
+    for st in plan.stages:
+        if st.mode != "recompute":
+            assert st.replay_headroom_bytes == 0
+        assert 0 <= st.replay_headroom_bytes <= plan.peak_bytes
+    match = re.fullmatch(r"replay of ops \d+\.\.\d+, op (\d+)", ev.peak_at)
+    if match:
+        op = int(match.group(1))
+        at = next(st for st in plan.stages if st.first_op <= op <= st.last_op)
+        assert at.replay_headroom_bytes == 0

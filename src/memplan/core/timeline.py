@@ -81,17 +81,22 @@ class Timeline:
         and the values it frees span); for a region's ops after its replay stops, at the stop
         (a unit, ``runtime.units``, may run on there). ``peak_bytes`` where nothing replays.
         What a replay may keep beyond the op tape's without raising the step's peak."""
-        ps = self.ps
+        ps, order = self.ps, np.array(self.order, dtype=np.int64)
         room = np.full(ps.n, peak_bytes, dtype=np.int64)
-        for s in self.order:
-            ops = ps.replayed(s)
-            end = self.replay_end(s) if len(ops) else int(self.moment_of_event[ps.trigger[s]])
-            if len(ops):
-                m = self.base[s] + 2 * np.arange(len(ops), dtype=np.int64)
-                worst = np.maximum(np.maximum(live[m], live[m + 1]), live[np.minimum(m + 2, end)])
-                np.minimum.at(room, ops, peak_bytes - worst)
-            rest = slice(int(ops[-1]) + 1 if len(ops) else int(ps.lo[s]), int(ps.hi[s]) + 1)
-            room[rest] = np.minimum(room[rest], peak_bytes - live[end])
+        if not len(order):
+            return room
+        length = self.length[order]
+        # The stop: the replay's last moment, or the event that triggered an empty one.
+        end = np.where(length > 0, self.replay_ends()[order],
+                       self.moment_of_event[ps.trigger[order]])
+        ops = np.concatenate([ps.replayed(int(s)) for s in order])
+        m = np.repeat(self.base[order], length) + 2 * _spans(np.zeros_like(length), length)
+        stop = np.repeat(end, length)
+        worst = np.maximum(np.maximum(live[m], live[m + 1]), live[np.minimum(m + 2, stop)])
+        np.minimum.at(room, ops, peak_bytes - worst)
+        after = np.where(length > 0, ps.replay_last[order] + 1, ps.lo[order])
+        count = np.maximum(ps.hi[order] + 1 - after, 0)
+        np.minimum.at(room, _spans(after, count), np.repeat(peak_bytes - live[end], count))
         return room
 
     def where(self, moment: int, graph: g.Graph) -> str:
@@ -106,3 +111,10 @@ class Timeline:
         op = int(self.ps.replayed(s)[i])
         return (f"replay of ops {sc.lo_op}..{sc.hi_op}, " +
                 (f"op {op}" if pre else f"before op {op}"))
+
+
+def _spans(lo: I64, count: I64) -> I64:
+    """``lo[k], lo[k] + 1, .., lo[k] + count[k] - 1`` for every k, in order."""
+    first = np.cumsum(count) - count
+    out: I64 = np.arange(int(count.sum()), dtype=np.int64) + np.repeat(lo - first, count)
+    return out

@@ -131,7 +131,7 @@ class _Count(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.oracle = oracle
         self.targets: list[str] = []
         self.outside: list[int] = []
-        self.values: list[list[int]] = []  # [made, last read, freed (-1: alive), bytes]
+        self.values: list[list[int]] = []  # [made, freed (-1: alive), bytes]
         self.reads: list[list[int]] = []  # per value, the ops that read it
         self.live: dict[int, int] = {}  # storage -> value
         self.kept: set[int] = set()  # values alive when the forward returned
@@ -159,7 +159,6 @@ class _Count(TorchDispatchMode):  # type: ignore[no-untyped-call]
         for t in tensors((args, kwargs)):
             vid = self.live.get(t.untyped_storage()._cdata)
             if vid is not None:
-                self.values[vid][1] = index
                 reads = self.reads[vid]
                 if not reads or reads[-1] != index:
                     reads.append(index)
@@ -179,7 +178,7 @@ class _Count(TorchDispatchMode):  # type: ignore[no-untyped-call]
             if key not in self.live:
                 self.live[key] = len(self.values)
                 weakref.finalize(storage, self._died, key, len(self.values))
-                self.values.append([index, index, -1, int(storage.nbytes())])
+                self.values.append([index, -1, int(storage.nbytes())])
                 self.reads.append([])
         return out
 
@@ -200,14 +199,14 @@ class _Count(TorchDispatchMode):  # type: ignore[no-untyped-call]
         return t
 
     def _died(self, key: int, vid: int) -> None:
-        self.values[vid][2] = len(self.targets)
+        self.values[vid][1] = len(self.targets)
         if self.live.get(key) == vid:
             del self.live[key]
 
     def lifetimes(self) -> U.Values:
-        made, read, freed, nbytes = ([v[i] for v in self.values] for i in range(4))
-        return U.Values(made, read, [-1 if i in self.kept else f for i, f in enumerate(freed)],
-                        nbytes, self.saves, self.reads)
+        made, freed, nbytes = ([v[i] for v in self.values] for i in range(3))
+        return U.Values(made, [-1 if i in self.kept else f for i, f in enumerate(freed)],
+                        nbytes, self.reads, self.saves)
 
 
 def _identity(t: Any) -> Any:

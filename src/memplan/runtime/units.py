@@ -38,19 +38,17 @@ class Call:
 @dataclass
 class Values:
     """Per value (storage) of the fake forward, in the order they were made: the op that
-    made it, the last op that read it, the op count when it was freed (-1: alive when the
-    forward returned, i.e. saved for backward or an output), its bytes and (``reads``) the
-    ops that read it, in order."""
+    made it, the op count when it was freed (-1: alive when the forward returned, i.e. saved
+    for backward or an output), its bytes and the ops that read it, in order."""
 
     made: list[int]
-    read: list[int]
     freed: list[int]
     nbytes: list[int]
+    reads: list[list[int]]
     # What autograd saved, in order: (op count then, value or -1 for a tensor the forward
     # did not make, whether a module call began or ended since the last op). An op's inputs
     # are saved before it runs, its outputs after (``_within``).
     saves: list[tuple[int, int, bool]] = field(default_factory=list)
-    reads: list[list[int]] = field(default_factory=list)
 
 
 def choose(regions: list[tuple[int, int]], calls: list[Call], values: Values,
@@ -104,12 +102,13 @@ def _fit(first: int, last: int, calls: list[Call], values: Values, room: list[in
     held the attention mask it is given past the tape's last read of it, 24,448 B over the
     plan where the next layer replayed). ``room`` is the plan's evaluated step below its peak
     there, so the step's peak stays the plan's."""
-    tape = _profile(first, _tape_end(first, last, values) - 1, [], values)
+    saved = _saved_in(first, last, values)
+    tape = _profile(first, _tape_end(first, last, values) - 1, [], values, saved)
     allowed = set(range(len(calls)))
     for _ in range(MAX_ROUNDS):
         units = _outermost(calls, allowed)
         end, run = _replay_end(first, last, units, values)
-        at = _over(_profile(first, end - 1, run, values), tape, first, room)
+        at = _over(_profile(first, end - 1, run, values, saved), tape, first, room)
         if at < 0:
             return units
         culprit = _culprit(calls, allowed, units, at, values)
@@ -208,11 +207,19 @@ def _over(alive: list[int], tape: list[int], first: int, room: list[int]) -> int
     return -1
 
 
-def _profile(first: int, last: int, units: list[Call], values: Values) -> list[int]:
-    """The bytes the replay of ops first..last keeps alive at each op: values the forward
-    keeps (saved for backward) to the end; the others to their last read (the op tape), or,
-    made or last read inside a unit, to where Python frees them within the call or to its
-    end."""
+def _saved_in(first: int, last: int, values: Values) -> set[int]:
+    """Values of the forward an op of ``first..last`` saves: what a replay of the region
+    gives back (its handles), kept to the replay's end."""
+    return {v for count, v, hooked in values.saves
+            if v >= 0 and _within(count, hooked, first, last + 1)}
+
+
+def _profile(first: int, last: int, units: list[Call], values: Values, saved: set[int]
+             ) -> list[int]:
+    """The bytes the replay of ops first..last keeps alive at each op: values the region
+    saves (``saved``) to the end; the others to their last read by the replay (the op tape:
+    a read after it, by an op outside the region, reads the forward's own value), or, made or
+    last read inside a unit, to where Python frees them within the call or to its end."""
     end_of = [u.end_op for u in units]
     start_of = [u.first_op for u in units]
     held = _held_args(units)
@@ -221,16 +228,16 @@ def _profile(first: int, last: int, units: list[Call], values: Values) -> list[i
     hi = bisect.bisect_right(values.made, last)
     for v in range(lo, hi):
         made, freed, nbytes = values.made[v], values.freed[v], values.nbytes[v]
-        read = max(values.read[v], made)
-        if freed < 0:
+        if v in saved:
             end = last + 1
         else:
-            end = min(read + 1, last + 1)
+            read = max(_last_read(values, v, last), made)
+            end = read + 1
             k = bisect.bisect_right(start_of, read) - 1
             if k >= 0 and read < end_of[k]:  # last read inside unit k
                 unit_end = end_of[k]
                 if made >= start_of[k]:  # made in it too: Python frees it, by the call's end
-                    end = max(end, min(freed, unit_end))
+                    end = max(end, unit_end if freed < 0 else min(freed, unit_end))
                 else:  # an argument: held to the call's end
                     end = max(end, unit_end)
             end = max(end, held.get(v, end))
@@ -241,3 +248,10 @@ def _profile(first: int, last: int, units: list[Call], values: Values) -> list[i
         alive += d
         out.append(alive)
     return out
+
+
+def _last_read(values: Values, v: int, last: int) -> int:
+    """The last op up to ``last`` that reads value ``v`` (-1: none)."""
+    reads = values.reads[v]
+    k = bisect.bisect_right(reads, last)
+    return reads[k - 1] if k else -1
