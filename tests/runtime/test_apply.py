@@ -385,3 +385,59 @@ def _plain_step(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
     model.zero_grad(set_to_none=True)
     _square(model(x)).backward()  # type: ignore[no-untyped-call]
     return [p.grad for p in model.parameters() if p.grad is not None]
+
+
+class _ScaledProjection(nn.Module):
+    """HF Gemma3n's per-layer projection: a matmul's output scaled in place (through the
+    ``_unsafe_view`` a 3-d matmul returns, which bumps no version counter), then normed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(16, 16) / 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = nn.functional.linear(x, self.weight)
+        h *= 0.5
+        return torch.tanh(h) * h.square().mean(-1, keepdim=True).rsqrt()
+
+
+class _ScaledNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.out = _ScaledProjection(), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.a(x))
+
+
+def test_drop_cheap_recomputes_a_matmul_whose_output_is_written_in_place() -> None:
+    """A drop-cheap stage kept the matmul's output for its replay, which the next op then
+    scaled in place: the replay scaled it again, and the gradients differed (HF Gemma3n:
+    max |diff| 0.095). Such a matmul is recomputed now, in the plan's evaluation as in the
+    runtime: every stage drop-cheap on its own gives plain gradients, and the step peaks
+    where the evaluation says, to the byte, on real and fake tensors."""
+    from memplan.core import chain as C
+    from memplan.core import schedule as S
+    from memplan.core.evaluate import evaluate
+    from memplan.core.plan import make_plan
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = _ScaledNet()
+    x = torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(1))
+    graph = memplan.capture(model, x, loss_fn=_square)
+    chain = C.build_chain(graph, list(range(len(graph.cut_points))))
+    reference = _plain_step(model, x)
+    for stage in range(chain.n - 1):
+        schedule = tuple(S.DropCheap(s) if s == stage else S.Keep(s) for s in range(chain.n))
+        plan = make_plan(chain, schedule, "test", {}, None)
+        plan = dataclasses.replace(plan, forward=graph.forward,
+                                   peak_bytes=evaluate(graph, plan).peak_bytes)
+        applied = memplan.apply(copy.deepcopy(model), plan)
+        got = _plain_step(applied, x)
+        assert all(torch.equal(a, b) for a, b in zip(reference, got, strict=True)), stage
+        for simulate in (False, True):
+            peak = memplan.measure(applied, x, loss_fn=_square, simulate=simulate,
+                                   repeat=1).peak_bytes
+            assert peak == plan.peak_bytes, (stage, simulate)
+    assert chain.n >= 3

@@ -13,8 +13,15 @@ import numpy as np
 import numpy.typing as npt
 
 from memplan.core import graph as g
-from memplan.core.graph_arrays import NO_DEATH, GraphArrays, derived, flat, ints, known
-from memplan.core.ops import is_expensive
+from memplan.core.graph_arrays import (
+    NO_DEATH,
+    GraphArrays,
+    derived,
+    flat,
+    held_expensive,
+    ints,
+    known,
+)
 
 I64 = npt.NDArray[np.int64]
 Mask = npt.NDArray[np.bool_]
@@ -126,12 +133,10 @@ def _shared(graph: g.Graph) -> tuple[I64, I64, I64, I64, Mask, I64, I64]:
     if ga is not None:
         return ga.nbytes, ga.birth, ga.death, ga.producer, ga.expensive, ga.out_op, ga.out_vid
     values, ops = graph.values, graph.ops
-    targets = list(map(attrgetter("target"), ops))
-    expensive = {t: is_expensive(t) for t in dict.fromkeys(targets)}
     out_op, out_vid = flat(ops, "outputs")
+    producer = ints(values, "producer")
     return (ints(values, "nbytes"), ints(values, "birth"), _optional(values, "death"),
-            ints(values, "producer"),
-            np.fromiter(map(expensive.__getitem__, targets), np.bool_, len(ops)), out_op, out_vid)
+            producer, held_expensive(ops, producer), out_op, out_vid)
 
 
 def _first_seen(graph: g.Graph, kind: npt.NDArray[np.int8], birth: I64, in_op: I64,

@@ -110,6 +110,21 @@ def flat(objs: Sequence[Any], attr: str) -> tuple[I64, I64]:
 
 
 
+def held_expensive(ops: Sequence[g.Op], producer: I64) -> npt.NDArray[np.bool_]:
+    """Per op, whether a drop-cheap stage keeps its outputs rather than recomputing them
+    (Sec. 4.2): an expensive op (``ops.is_expensive``) none of whose outputs a later op
+    writes in place. A kept output so written would hold the written value where the replay
+    needs the one it had (HF Gemma3n: ``proj = linear(x); proj *= scale``, through an
+    ``_unsafe_view`` that bumps no version counter); ``runtime.probe`` finds the same ops."""
+    by_target = {t: is_expensive(t) for t in dict.fromkeys(map(attrgetter("target"), ops))}
+    out = np.fromiter(map(by_target.__getitem__, map(attrgetter("target"), ops)), np.bool_,
+                      len(ops))
+    _, written = flat(ops, "mutated")
+    makers = producer[written]
+    out[makers[makers >= 0]] = False
+    return out
+
+
 def _extract(graph: g.Graph) -> GraphArrays:
     values, ops, bops, cuts = graph.values, graph.ops, graph.backward_ops, graph.cut_points
     n_ops, n_events = len(ops), len(ops) + len(bops)
@@ -128,11 +143,7 @@ def _extract(graph: g.Graph) -> GraphArrays:
     va = ValueArrays(n_ops, activation, producer, np.where(death_unsaved_raw < 0, n_ops,
                                                             death_unsaved_raw),
                      in_op, in_vid, last_fwd_use)
-    by_target: dict[str, bool] = {}
-    for t in dict.fromkeys(map(attrgetter("target"), ops)):
-        by_target[t] = is_expensive(t)
-    expensive = np.fromiter(map(by_target.__getitem__, map(attrgetter("target"), ops)),
-                            np.bool_, n_ops)
+    expensive = held_expensive(ops, producer)
     out_op, out_vid = flat(ops, "outputs")
     has_outputs = np.bincount(out_op, minlength=n_ops) > 0
     # Graph.live_bytes_timeline, vectorised: bytes live at each event after its outputs exist.

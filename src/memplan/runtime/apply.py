@@ -208,7 +208,8 @@ def apply(model: nn.Module, plan: Plan | str | dict[str, Any] | None = None, *,
             "loss_fn=..., budget=...)."
         )
     fake = _check(model, plan, plan.forward, inputs)
-    lay = layout(plan, plan.forward.ops, fake.call_ends, fake.calls, fake.values)
+    lay = layout(plan, plan.forward.ops, fake.call_ends, fake.calls, fake.values,
+                 fake.targets, fake.written)
     applied = _install(model, plan, lay)
     if inputs is not None:
         _check_inputs(applied, inputs, stacklevel=3)

@@ -83,12 +83,15 @@ def record_unit(scope: Scope, module: torch.nn.Module, path: str, info: UnitInfo
 
 
 def record_op(scope: Scope, tapes: list[Tape], snaps: dict[tuple[Any, ...], torch.Tensor],
-              func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+              func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+              overwritten: bool = False) -> Any:
     """Run an aten op of the scope and put it on its tape. ``tapes``: the forward's tapes
     (those that read what the op writes keep a copy first); ``snaps``: the forward's copies
-    of outside tensors taken before a write, one per (tensor, version). Every op of a scope
-    outside units comes here, so the common case (no write, tensors from the tape or read
-    as they are) takes the shortest path."""
+    of outside tensors taken before a write, one per (tensor, version); ``overwritten``: a
+    later op writes its outputs in place (a drop-cheap scope recomputes it then, expensive or
+    not: ``graph_arrays.held_expensive``). Every op of a scope outside units comes here, so
+    the common case (no write, tensors from the tape or read as they are) takes the shortest
+    path."""
     tape = scope.tape
     e = len(tape.entries)
     writes = written_tensors(func, args, kwargs)
@@ -126,9 +129,7 @@ def record_op(scope: Scope, tapes: list[Tape], snaps: dict[tuple[Any, ...], torc
             if mode == READ:
                 tape.outside.append(leaf)  # Tape.note_outside
     out = func(*args, **kwargs)
-    expensive = _EXPENSIVE.get(id(func))
-    if expensive is None:
-        expensive = _EXPENSIVE[id(func)] = is_expensive(str(func))
+    expensive = expensive_op(func) and not overwritten
     held = expensive and scope.template.kind == "drop-cheap"
     for k, o in enumerate(tensors(out)):
         ids[id(o)] = ((e, k), weakref.ref(o))  # Tape.register
@@ -137,6 +138,14 @@ def record_op(scope: Scope, tapes: list[Tape], snaps: dict[tuple[Any, ...], torc
     tape.entries.append(OpEntry(func, spec, leaves, tuple(refs), expensive, tuple(wrote)))
     extend(scope, e)
     return out
+
+
+def expensive_op(func: Any) -> bool:
+    """``core.ops.is_expensive`` of an aten op, cached (it runs per recorded op)."""
+    expensive = _EXPENSIVE.get(id(func))
+    if expensive is None:
+        expensive = _EXPENSIVE[id(func)] = is_expensive(str(func))
+    return expensive
 
 
 def _snapshot(tape: Tape, snaps: dict[tuple[Any, ...], torch.Tensor], leaf: torch.Tensor) -> Ext:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from memplan.core import schedule as S
 from memplan.core.graph import OP
+from memplan.core.ops import is_expensive
 from memplan.core.plan import Plan, Stage
 from memplan.errors import PlanMismatch
 from memplan.runtime import units as U
@@ -36,6 +37,10 @@ class Layout:
     # ...except a stage that ends after an op of functional code (a plan through an op-level
     # cut point): it ends when end_ops[s] ops have run in it (counted as capture counts them).
     end_ops: list[int | None] = field(default_factory=list)
+    # Per drop-cheap stage, expensive ops it recomputes all the same (a later op writes their
+    # outputs in place, ``graph_arrays.held_expensive``), numbered among its expensive ops:
+    # a real forward may run ops a fake one does not (HF's real-only checks), cheap ones.
+    overwritten: dict[int, frozenset[int]] = field(default_factory=dict)
 
     @property
     def boundary_modules(self) -> tuple[str, ...]:
@@ -43,11 +48,13 @@ class Layout:
 
 
 def layout(plan: Plan, n_ops: int, call_ends: dict[str, list[int]],
-           calls: list[U.Call] | None = None, values: U.Values | None = None) -> Layout:
+           calls: list[U.Call] | None = None, values: U.Values | None = None,
+           targets: list[str] | None = None, written: frozenset[int] = frozenset()) -> Layout:
     """Index the plan's schedule by stage. ``n_ops``: ops of the model's forward;
     ``call_ends``: for each stage-ending module, the op count at the end of each of its calls;
     ``calls`` and ``values``: the forward's module calls and value lifetimes, from which the
-    units of flat top-level regions are chosen (all from a fake forward, ``probe.probe``)."""
+    units of flat top-level regions are chosen; ``targets``: its ops; ``written``: ops whose
+    outputs a later op writes in place (all from a fake forward, ``probe.probe``)."""
     stages = [st for st in plan.stages if st.first_op < n_ops]
     scope: list[Template | None] = [None] * len(stages)
     templates: list[Template] = []
@@ -94,7 +101,13 @@ def layout(plan: Plan, n_ops: int, call_ends: dict[str, list[int]],
         room = [st.replay_headroom_bytes for st in stages  # per op: stages tile them
                 for _ in range(st.first_op, st.last_op + 1)][:n_ops]
         units = U.choose(_flat_regions(stages, scope, templates), calls, values, room)
-    return Layout(scope, end_calls, templates, units, end_ops)
+    overwritten: dict[int, frozenset[int]] = {}
+    for k, (st, t) in enumerate(zip(stages, scope)):
+        if t is not None and t.kind == "drop-cheap" and targets is not None:
+            ops = [o for o in range(st.first_op, min(st.last_op + 1, len(targets)))
+                   if is_expensive(targets[o])]
+            overwritten[k] = frozenset(i for i, o in enumerate(ops) if o in written)
+    return Layout(scope, end_calls, templates, units, end_ops, overwritten)
 
 
 def _flat_regions(stages: list[Stage], scope: list[Template | None], templates: list[Template]

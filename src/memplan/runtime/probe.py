@@ -36,6 +36,8 @@ class FakeForward:
     call_ends: dict[str, list[int]]  # for watched modules: op count at the end of each call
     calls: list[U.Call]  # its module calls (units are chosen among them)
     values: U.Values  # lifetimes of the values it makes
+    # Ops whose outputs a later op writes in place (``graph_arrays.held_expensive``).
+    written: frozenset[int] = frozenset()
 
 
 def probe(model: nn.Module, inputs: Sequence[Any] | None, specs: Sequence[dict[str, Any]] = (),
@@ -93,7 +95,7 @@ def _probe(model: nn.Module, inputs: Sequence[Any] | None, specs: Sequence[dict[
         counter.kept = set(counter.live.values())  # saved for backward, or the output
         del out
     return FakeForward(counter.targets, call_ends, _calls(model, calls, counter),
-                       counter.lifetimes())
+                       counter.lifetimes(), frozenset(counter.written))
 
 
 
@@ -136,6 +138,7 @@ class _Count(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.live: dict[int, int] = {}  # storage -> value
         self.kept: set[int] = set()  # values alive when the forward returned
         self.saves: list[tuple[int, int, bool]] = []  # per autograd save (units.Values)
+        self.written: set[int] = set()  # ops whose outputs a later op writes in place
         self.hooked = False  # a module call began or ended since the last op
         self.replays = ViewReplays()  # autograd's replays of views written in place
 
@@ -168,6 +171,8 @@ class _Count(TorchDispatchMode):  # type: ignore[no-untyped-call]
             if mode == WRITE_ONLY:  # batch_norm's running statistics
                 continue
             vid = self.live.get(t.untyped_storage()._cdata)
+            if vid is not None:
+                self.written.add(self.values[vid][0])
             first = min(first, -1 if vid is None else self.values[vid][0])
         self.outside.append(first)
         if written:

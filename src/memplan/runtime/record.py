@@ -43,7 +43,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from memplan.runtime.entries import record_op, record_unit, unit_arguments
+from memplan.runtime.entries import expensive_op, record_op, record_unit, unit_arguments
 from memplan.runtime.handles import Handle
 from memplan.runtime.layout import Layout, Template
 from memplan.runtime.replay import unpack
@@ -105,6 +105,7 @@ class StepState:
         self.mode: PlanMode | None = None
         self.hooked = False
         self.ops_left: int | None = None  # ops until the current stage's op boundary
+        self.stage_expensive = 0  # expensive ops of the current stage so far (drop-cheap)
         self.resync = False  # an op boundary passed inside a dispatch: hooks to set next op
 
     @property
@@ -141,6 +142,7 @@ class StepState:
 
     def _next_stage(self) -> None:
         self.stage += 1
+        self.stage_expensive = 0
         stages = self.layout.template_of_stage
         self.template = stages[self.stage] if self.stage < len(stages) else None
         self._count_stage()
@@ -251,7 +253,12 @@ class StepState:
             out = func(*args, **kwargs)
         else:
             self.recorded_ops += 1
-            out = record_op(self.scope_for(t), self.tapes, self.snaps, func, args, kwargs)
+            written = False
+            if t.kind == "drop-cheap" and expensive_op(func):  # (its ops all come here)
+                written = self.stage_expensive in self.layout.overwritten.get(self.stage, ())
+                self.stage_expensive += 1
+            out = record_op(self.scope_for(t), self.tapes, self.snaps, func, args, kwargs,
+                            written)
         if self.ops_left is not None and is_counted(func):
             self.ops_left -= 1
             if self.ops_left == 0:
