@@ -150,6 +150,13 @@ ENTRIES = [
                                    query_pre_attn_scalar=16, sliding_window=32)),
     Entry("hf-gemma3", LIB, causal("Gemma3ForCausalLM", "Gemma3TextConfig", **GQA,
                                    head_dim=16, query_pre_attn_scalar=16, sliding_window=32)),
+    # per-layer inputs projected by a matmul scaled in place, AltUp, LAuReL
+    Entry("hf-gemma3n", LIB, causal("Gemma3nForCausalLM", "Gemma3nTextConfig", **GQA,
+                                    head_dim=16, hidden_size_per_layer_input=8,
+                                    vocab_size_per_layer_input=VOCAB, laurel_rank=4,
+                                    altup_num_inputs=2, num_kv_shared_layers=0,
+                                    activation_sparsity_pattern=[0.0] * 4, sliding_window=16,
+                                    layer_types=["sliding_attention"] * 3 + ["full_attention"])),
     Entry("hf-phi", LIB, causal("PhiForCausalLM", "PhiConfig", **GQA, resid_pdrop=DROP,
                                 embd_pdrop=DROP)),
     Entry("hf-phi3", LIB, causal("Phi3ForCausalLM", "Phi3Config", **GQA, resid_pdrop=DROP,
