@@ -441,3 +441,32 @@ def test_drop_cheap_recomputes_a_matmul_whose_output_is_written_in_place() -> No
                                    repeat=1).peak_bytes
             assert peak == plan.peak_bytes, (stage, simulate)
     assert chain.n >= 3
+
+
+class _DataLoop(nn.Module):
+    """Runs its layer once more when its input sums above 0: ops that follow the data, as a
+    mixture of experts' loop over the experts its tokens chose (HF Dbrx)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(1 + int(x.sum().item() > 0)):
+            x = torch.tanh(self.fc(x))
+        return x
+
+
+def test_apply_names_inputs_when_ops_follow_the_data() -> None:
+    """Without ``inputs=``, apply checks the plan on zeros of the plan's input shapes: a
+    forward whose ops depend on the data runs others there, and the error says to pass the
+    example inputs; with them the plan applies."""
+    from memplan.errors import PlanMismatch
+
+    model, x = _DataLoop(), torch.ones(4, 8)
+    plan = memplan.plan(model, x, loss_fn=_square, planner="sqrt")
+    with pytest.raises(PlanMismatch, match=r"memplan\.apply\(model, plan, inputs=\(\.\.\.\)\)"):
+        memplan.apply(copy.deepcopy(model), plan)
+    applied = memplan.apply(copy.deepcopy(model), plan, inputs=(x,))
+    assert all(torch.equal(a, b) for a, b in zip(_plain_step(model, x), _plain_step(applied, x),
+                                                 strict=True))

@@ -363,8 +363,14 @@ def _check(model: nn.Module, plan: Plan, forward: ForwardSpec, inputs: tuple[Any
                            f"{type(err).__name__}: {first}). {fix}") from err
     got_fp = g.forward_fingerprint(fake.targets)
     if len(fake.targets) != forward.ops or got_fp != forward.fingerprint:
+        # Rebuilt inputs are zeros: a forward whose ops follow the data runs others on them.
+        zeros = ("" if inputs is not None else
+                 " With no inputs= given, apply ran the forward on zeros of the plan's input "
+                 "shapes: if the model's ops depend on the data (a mixture of experts' "
+                 "routing, a loop over the tokens each expert got), pass the example inputs "
+                 "the plan was made with: memplan.apply(model, plan, inputs=(...)).")
         raise PlanMismatch(f"{mismatch}; this model's has {len(fake.targets)} ops, fingerprint "
-                           f"{got_fp}). {fix}")
+                           f"{got_fp}). {fix}{zeros}")
     return fake
 
 
