@@ -7,6 +7,7 @@ import copy
 import dataclasses
 import functools
 from collections import Counter
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -15,6 +16,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import memplan
+from memplan.core import schedule as S
 from memplan.core.evaluate import replay_counts
 from memplan.core.graph import Graph
 from memplan.models import Workload
@@ -346,35 +348,46 @@ def test_a_replay_runs_the_writes_of_what_it_gives_back() -> None:
     makers only; ``core.scopes`` models makers and writers), and gave back zeros: y's
     gradients differed. Every region of one or two stages now gives plain gradients, and a
     step peaks where the plan's evaluation says, to the byte, on real and fake tensors."""
+    def regions(n: int) -> Iterator[tuple[S.Item, ...]]:
+        for first in range(n - 1):
+            for last in range(first, min(first + 2, n - 1)):
+                region = S.Region(first, last, tuple(S.Keep(s) for s in range(first, last + 1)))
+                yield (*(S.Keep(s) for s in range(first)), region,
+                       *(S.Keep(s) for s in range(last + 1, n)))
+
+    checked, modules = _exact_under(_ScanNet(), regions)
+    assert checked >= 8 and modules.count("scan") >= 1
+
+
+def _exact_under(model: nn.Module, schedules: Callable[[int], Iterator[tuple[S.Item, ...]]]
+                 ) -> tuple[int, tuple[str, ...]]:
+    """Each schedule over the stages of ``model``'s chain (a stage per cut point) applied to
+    a copy: plain gradients, and the step's peak the plan's evaluation to the byte, on real
+    and fake tensors. The schedules checked, and the stages' modules."""
     from memplan.core import chain as C
-    from memplan.core import schedule as S
     from memplan.core.evaluate import evaluate
     from memplan.core.plan import make_plan
 
+    torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = _ScanNet()
     x = torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(1))
     graph = memplan.capture(model, x, loss_fn=_square)
     chain = C.build_chain(graph, list(range(len(graph.cut_points))))
     reference = _plain_step(model, x)
     checked = 0
-    for first in range(chain.n - 1):
-        for last in range(first, min(first + 2, chain.n - 1)):
-            region = S.Region(first, last, tuple(S.Keep(s) for s in range(first, last + 1)))
-            schedule = (*(S.Keep(s) for s in range(first)), region,
-                        *(S.Keep(s) for s in range(last + 1, chain.n)))
-            plan = make_plan(chain, schedule, "test", {}, None)
-            plan = dataclasses.replace(plan, forward=graph.forward,
-                                       peak_bytes=evaluate(graph, plan).peak_bytes)
-            applied = memplan.apply(copy.deepcopy(model), plan)
-            got = _plain_step(applied, x)
-            assert all(torch.equal(a, b) for a, b in zip(reference, got)), (first, last)
-            for simulate in (False, True):
-                peak = memplan.measure(applied, x, loss_fn=_square, simulate=simulate,
-                                       repeat=1).peak_bytes
-                assert peak == plan.peak_bytes, (first, last, simulate)
-            checked += 1
-    assert checked >= 8 and chain.modules.count("scan") >= 1
+    for schedule in schedules(chain.n):
+        plan = make_plan(chain, schedule, "test", {}, None)
+        plan = dataclasses.replace(plan, forward=graph.forward,
+                                   peak_bytes=evaluate(graph, plan).peak_bytes)
+        applied = memplan.apply(copy.deepcopy(model), plan)
+        got = _plain_step(applied, x)
+        assert all(torch.equal(a, b) for a, b in zip(reference, got, strict=True)), schedule
+        for simulate in (False, True):
+            peak = memplan.measure(applied, x, loss_fn=_square, simulate=simulate,
+                                   repeat=1).peak_bytes
+            assert peak == plan.peak_bytes, (schedule, simulate)
+        checked += 1
+    return checked, chain.modules
 
 
 def _square(out: torch.Tensor) -> torch.Tensor:
@@ -416,31 +429,12 @@ def test_drop_cheap_recomputes_a_matmul_whose_output_is_written_in_place() -> No
     max |diff| 0.095). Such a matmul is recomputed now, in the plan's evaluation as in the
     runtime: every stage drop-cheap on its own gives plain gradients, and the step peaks
     where the evaluation says, to the byte, on real and fake tensors."""
-    from memplan.core import chain as C
-    from memplan.core import schedule as S
-    from memplan.core.evaluate import evaluate
-    from memplan.core.plan import make_plan
+    def drop_cheap(n: int) -> Iterator[tuple[S.Item, ...]]:
+        for stage in range(n - 1):
+            yield tuple(S.DropCheap(s) if s == stage else S.Keep(s) for s in range(n))
 
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    model = _ScaledNet()
-    x = torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(1))
-    graph = memplan.capture(model, x, loss_fn=_square)
-    chain = C.build_chain(graph, list(range(len(graph.cut_points))))
-    reference = _plain_step(model, x)
-    for stage in range(chain.n - 1):
-        schedule = tuple(S.DropCheap(s) if s == stage else S.Keep(s) for s in range(chain.n))
-        plan = make_plan(chain, schedule, "test", {}, None)
-        plan = dataclasses.replace(plan, forward=graph.forward,
-                                   peak_bytes=evaluate(graph, plan).peak_bytes)
-        applied = memplan.apply(copy.deepcopy(model), plan)
-        got = _plain_step(applied, x)
-        assert all(torch.equal(a, b) for a, b in zip(reference, got, strict=True)), stage
-        for simulate in (False, True):
-            peak = memplan.measure(applied, x, loss_fn=_square, simulate=simulate,
-                                   repeat=1).peak_bytes
-            assert peak == plan.peak_bytes, (stage, simulate)
-    assert chain.n >= 3
+    checked, modules = _exact_under(_ScaledNet(), drop_cheap)
+    assert checked >= 2 and modules[0] == "a"
 
 
 class _DataLoop(nn.Module):
