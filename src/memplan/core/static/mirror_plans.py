@@ -11,15 +11,16 @@ from __future__ import annotations
 
 from memplan.core import graph as g
 from memplan.core import schedule as S
-from memplan.core.ops import is_expensive
+from memplan.core.graph_arrays import held_expensive, ints
 from memplan.core.plan import Plan
 from memplan.core.planners.sqrt import plan_sqrt
 
 
 def drop_cheap_mirror(graph: g.Graph) -> list[int]:
     """Sec. 4.2: recompute the outputs of cheap ops (norms, activations, pooling, pointwise);
-    keep those of expensive ones (``ops.EXPENSIVE``)."""
-    return [0 if is_expensive(op.target) or not op.outputs else 1 for op in graph.ops]
+    keep those of expensive ones (``graph_arrays.held_expensive``)."""
+    held = held_expensive(graph.ops, ints(graph.values, "producer"))
+    return [0 if held[i] or not op.outputs else 1 for i, op in enumerate(graph.ops)]
 
 
 def sqrt_mirror(graph: g.Graph) -> list[int]:
