@@ -253,12 +253,13 @@ class StepState:
             out = func(*args, **kwargs)
         else:
             self.recorded_ops += 1
-            written = False
+            overwritten = False
             if t.kind == "drop-cheap" and expensive_op(func):  # (its ops all come here)
-                written = self.stage_expensive in self.layout.overwritten.get(self.stage, ())
+                overwritten = (self.stage_expensive
+                               in self.layout.overwritten.get(self.stage, ()))
                 self.stage_expensive += 1
             out = record_op(self.scope_for(t), self.tapes, self.snaps, func, args, kwargs,
-                            written)
+                            overwritten)
         if self.ops_left is not None and is_counted(func):
             self.ops_left -= 1
             if self.ops_left == 0:
