@@ -64,8 +64,8 @@ def choose(regions: list[tuple[int, int]], calls: list[Call], values: Values,
         lo, hi = bisect.bisect_left(starts, first), bisect.bisect_left(starts, last + 1)
         inside = [c for c in ordered[lo:hi] if c.end_op <= last + 1
                   and not _keeps_unread(c, first, last, values)]
-        room = headroom[first: last + 1] if headroom else []
-        for c in _fit(first, last, inside, values, room + [0] * (last + 1 - first - len(room))):
+        room = headroom[first: last + 1] if headroom else [0] * (last + 1 - first)
+        for c in _fit(first, last, inside, values, room):
             chosen.setdefault(c.path, set()).add(c.number)
     return {path: frozenset(numbers) for path, numbers in sorted(chosen.items())}
 
