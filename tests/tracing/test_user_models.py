@@ -7,6 +7,7 @@ plain PyTorch (``torch.equal``)."""
 from __future__ import annotations
 
 import copy
+import json
 import os
 import subprocess
 import sys
@@ -152,8 +153,11 @@ def test_data_dependent_ops_are_sized_from_the_example_batch() -> None:
     plan = _planned_step_is_exact(model, (x, edges), _dice_like)
     assert any("data-dependent sizes of the example batch" in n for n in plan.notes)
     assert "data-dependent sizes of the example batch" in plan.explain()
-    # The check of a plan without the example inputs (zeros of their shapes) works too.
-    again = memplan.apply(memplan.unapply(model), plan)
+    # The check of a plan without the example inputs (zeros of their shapes) works too, on
+    # the plan as its file holds it (the capture's assumptions with it).
+    from_file = json.loads(plan.to_json())
+    assert from_file["forward"]["assumptions"] == list(graph.forward.assumptions)
+    again = memplan.apply(memplan.unapply(model), from_file)
     _assert_same(_step(plain, (x, edges), _dice_like), _step(again, (x, edges), _dice_like))
 
 

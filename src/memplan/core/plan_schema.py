@@ -168,11 +168,13 @@ def _items(value: object, where: str, n: int, depth: int) -> tuple[S.Item, ...]:
 
 
 def _forward(value: object, n_ops: int) -> None:
-    fwd = _keys(value, "forward", _FORWARD)
+    fwd = _keys(value, "forward", _FORWARD, ("assumptions",))
     _int(fwd["ops"], "forward.ops", hi=n_ops)
     _text(fwd["fingerprint"], "forward.fingerprint")
     for i, spec in enumerate(_list(fwd["inputs"], "forward.inputs")):
         _input_spec(spec, f"forward.inputs[{i}]")
+    for i, note in enumerate(_list(fwd.get("assumptions", []), "forward.assumptions")):
+        _text(note, f"forward.assumptions[{i}]")
     autocast = _keys(fwd["autocast"], "forward.autocast", (), AUTOCAST_DEVICES)
     for device, dtype in autocast.items():
         if dtype not in AUTOCAST_DTYPES:
