@@ -3,8 +3,8 @@
     python examples/hf_loop.py --model llama --attn sdpa          # a custom training loop
     python examples/hf_loop.py --model gpt2 --trainer             # transformers.Trainer
 
-No change to the model's code: plan for the batch shapes you train with (keyword arguments
-are passed positionally to memplan.plan, see hf_models.positional; the loss is the one the
+No change to the model's code: plan for the batch shapes you train with (the batch goes in
+as keyword inputs, ``kwargs=batch``, as ``model(**batch)`` takes it; the loss is the one the
 model computes from ``labels``), apply, and train. memplan has one path for every model, the
 op-tape runtime: the model's own forward runs, stage boundaries are module calls, and
 recomputed scopes are replayed from their recorded aten ops in backward.
@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 from _common import compare, emit, grads, interleaved_medians, parse_budget, parser
-from hf_models import batch, build, hf_loss, positional
+from hf_models import batch, build, hf_loss
 
 import memplan
 from memplan.runtime.apply import applied_state
@@ -93,8 +93,7 @@ def main() -> None:
     data = batch(args.model)
 
     # --- the recipe --------------------------------------------------------------------------
-    example = positional(model, **data)  # (input_ids, None, ..., labels, ...)
-    graph = memplan.capture(model, *example, loss_fn=hf_loss)
+    graph = memplan.capture(model, kwargs=data, loss_fn=hf_loss)  # model(**data).loss
     budget = parse_budget(args.budget, memplan.plan(graph))
     if isinstance(budget, int):  # headroom: on HF models the measured peak ran up to 3% over
         budget_bytes, budget = budget, int(budget * (1 - args.margin))  # the plan's prediction
@@ -110,8 +109,8 @@ def main() -> None:
         result = (trainer_loop if args.trainer else custom_loop)(model, plain, data, args.steps)
     state = applied_state(model)
     assert state is not None and state.last is not None
-    peak = memplan.measure(model, *example, loss_fn=hf_loss, simulate=False).peak_bytes
-    plain_peak = memplan.measure(plain, *example, loss_fn=hf_loss, simulate=False).peak_bytes
+    peak = memplan.measure(model, kwargs=data, loss_fn=hf_loss, simulate=False).peak_bytes
+    plain_peak = memplan.measure(plain, kwargs=data, loss_fn=hf_loss, simulate=False).peak_bytes
 
     def step(m: Any) -> None:
         m.zero_grad()

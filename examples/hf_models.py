@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import torch
@@ -49,14 +48,6 @@ def batch(kind: str, size: int = 2, seq: int = 16, seed: int = 1) -> dict[str, t
         labels[~masked] = -100
         ids = ids.masked_fill(masked, 3)
     return {"input_ids": ids, "labels": labels}
-
-
-def positional(model: nn.Module, **kwargs: Any) -> tuple[Any, ...]:
-    """``model.forward``'s keyword arguments as the positional tuple memplan.plan takes
-    (parameters left out get their defaults, usually None)."""
-    bound = inspect.signature(model.forward).bind_partial(**kwargs)
-    bound.apply_defaults()
-    return tuple(bound.args)
 
 
 def hf_loss(out: Any) -> torch.Tensor:

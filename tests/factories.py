@@ -78,3 +78,34 @@ def odd_names() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
 
 
 llama = odd_names  # a factory name that is an emoji code in a title ("...:llama: plan")
+
+
+class KeywordInputs(nn.Module):
+    """A forward that takes its inputs by keyword, as Hugging Face models do
+    (``model(**batch)``): a mask that changes the ops (None: no masking), a Python float."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.1), nn.Tanh())
+                                    for _ in range(6))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor, *, mask: torch.Tensor | None = None,
+                scale: float = 1.0) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+            if mask is not None:
+                x = x * mask[:, None]
+        out: torch.Tensor = self.head(x) * scale
+        return out
+
+
+def keyword_batch(batch: int = 256) -> dict[str, object]:
+    return {"x": torch.randn(batch, 16), "mask": (torch.arange(batch) % 3 != 0).float(),
+            "scale": 0.5}
+
+
+def make_keywords() -> tuple[nn.Module, dict[str, object], object]:
+    """A factory whose example inputs are keyword inputs (a dict)."""
+    torch.manual_seed(0)
+    return KeywordInputs(), keyword_batch(), lambda out: out.square().mean()

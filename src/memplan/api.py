@@ -5,7 +5,8 @@ Graph, and the calls that plan it: ``memplan.plan``, ``memplan.plan_memory`` and
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import inspect
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from torch import nn
@@ -30,37 +31,40 @@ OBJECTIVES = ("flops", "time")
 TIME_PLANNERS = ("optimal", "ilp")  # the planners that minimise measured time
 
 
-def as_graph(obj: Any, *inputs: Any, loss_fn: LossFn | None = None,
-             device: str | None = None) -> g.Graph:
+def as_graph(obj: Any, *inputs: Any, kwargs: Mapping[str, Any] | None = None,
+             loss_fn: LossFn | None = None, device: str | None = None) -> g.Graph:
     """``obj`` itself when it is a Graph, else its captured step (``memplan.capture``)."""
     if isinstance(obj, g.Graph):
-        if inputs or loss_fn is not None:
-            raise bad_arg("inputs/loss_fn", "nothing beside a captured Graph",
-                          f"{len(inputs)} inputs, loss_fn={loss_fn!r}",
+        if inputs or kwargs is not None or loss_fn is not None:
+            raise bad_arg("inputs/kwargs/loss_fn", "nothing beside a captured Graph",
+                          f"{len(inputs)} inputs, kwargs={kwargs!r}, loss_fn={loss_fn!r}",
                           "A Graph already holds its step: pass it alone.")
         return obj
     if not isinstance(obj, (Workload, nn.Module)):
         raise bad_arg("model", "a memplan Graph, a Workload (memplan.models.get(...)) or a "
                       "torch.nn.Module", type(obj).__name__,
                       "Pass memplan.capture(...), memplan.models.get(...) or your model.")
-    return capture(obj, *inputs, loss_fn=loss_fn, device=device)
+    return capture(obj, *inputs, kwargs=kwargs, loss_fn=loss_fn, device=device)
 
 
-def plan(w_or_model: Any, *inputs: Any, loss_fn: Any = None, budget: object = None,
-         planner: str = "optimal", objective: str = "flops",
-         stage_time_s: list[float] | None = None, device: str | None = None,
-         **params: Any) -> Plan:
+def plan(w_or_model: Any, *inputs: Any, kwargs: Mapping[str, Any] | None = None,
+         loss_fn: Any = None, budget: object = None, planner: str = "optimal",
+         objective: str = "flops", stage_time_s: list[float] | None = None,
+         device: str | None = None, **params: Any) -> Plan:
     """Plan a training step under ``budget`` (bytes, '6GiB'/'7GB'/'512MiB', or a fraction of
-    the plain peak such as 0.25). ``w_or_model``: a Workload, a model (with example inputs and
-    ``loss_fn``), or an already captured Graph. ``objective='time'`` minimises the step time
-    predicted from forward seconds per chain stage: ``stage_time_s`` when given, else measured
-    on ``device`` (default CPU) by ``memplan.tracing.timing.stage_times`` (a Graph alone cannot be
-    run: pass stage_time_s with it). The plan's ``peak_bytes`` is its peak as the runtime runs
-    it (``memplan.core.evaluate``), never above the budget. Raises BudgetTooSmall when nothing
+    the plain peak such as 0.25). ``w_or_model``: a Workload, a model (with example inputs,
+    ``kwargs`` for those it takes by keyword, and ``loss_fn``), or an already captured Graph.
+    ``params``: the planner's own settings (e.g. ``max_stages``). ``objective='time'``
+    minimises the step time predicted from forward seconds per chain stage: ``stage_time_s``
+    when given, else measured on ``device`` (default CPU) by
+    ``memplan.tracing.timing.stage_times`` (a Graph alone cannot be run: pass stage_time_s
+    with it). The plan's ``peak_bytes`` is its peak as the runtime runs it
+    (``memplan.core.evaluate``), never above the budget. Raises BudgetTooSmall when nothing
     fits, naming the least peak each planner reaches."""
     if planner not in PLANNERS:
         raise bad_arg("planner", f"one of {sorted(PLANNERS)}", planner,
                       "Use planner='optimal' (the default).")
+    _check_params(planner, params)
     if objective not in OBJECTIVES:
         raise bad_arg("objective", f"one of {list(OBJECTIVES)}", objective,
                       "Use objective='flops' (the default).")
@@ -75,13 +79,14 @@ def plan(w_or_model: Any, *inputs: Any, loss_fn: Any = None, budget: object = No
                 "instead, or stage_time_s=[forward seconds of each chain stage] (see "
                 "memplan.tracing.timing.stage_times), or use objective='flops'."
             )
-    graph = as_graph(w_or_model, *inputs, loss_fn=loss_fn, device=device)
+    graph = as_graph(w_or_model, *inputs, kwargs=kwargs, loss_fn=loss_fn, device=device)
     chain = C.build_chain(graph)
     plain_peak = graph.peak_bytes or S.simulate(chain, S.plain_schedule(chain))[0]
     budget_bytes = None if budget is None else parse_budget(budget, plain_peak)
     if objective == "time":
         if stage_time_s is None:
-            stage_time_s = stage_times(w_or_model, *inputs, loss_fn=loss_fn, graph=graph,
+            stage_time_s = stage_times(w_or_model, *inputs, kwargs=kwargs, loss_fn=loss_fn,
+                                       graph=graph,
                                        device=device or "cpu", chain=_planner_chain(
                                            planner, graph, chain, params))
         params["stage_time_s"] = stage_time_s
@@ -91,6 +96,24 @@ def plan(w_or_model: Any, *inputs: Any, loss_fn: Any = None, budget: object = No
     # say what the capture assumed.
     assumed = graph.forward.assumptions if graph.forward else ()
     return dataclasses.replace(result, forward=graph.forward, notes=result.notes + assumed)
+
+
+def _check_params(planner: str, params: dict[str, Any]) -> None:
+    """Each of ``params`` a setting of ``planner`` (``stage_time_s`` is plan's own), before
+    anything is captured."""
+    names = list(inspect.signature(PLANNERS[planner]).parameters)[2:]  # after graph, budget
+    accepted = [n for n in names if n != "stage_time_s"]
+    takes = (f"Planner {planner!r} takes {', '.join(accepted)}." if accepted
+             else f"Planner {planner!r} takes no settings.")
+    for name, value in params.items():
+        if name in accepted:
+            continue
+        if isinstance(value, (bool, int, float, str, type(None))):
+            raise bad_arg(name, f"a setting of planner {planner!r}", value, takes)
+        raise bad_arg(name, f"a setting of planner {planner!r} (a model's keyword inputs go in "
+                      "kwargs=)", type(value).__name__,
+                      f"Pass the model's keyword inputs as kwargs={{{name!r}: ...}} (a whole "
+                      f"batch: kwargs=batch). {takes}")
 
 
 def _planner_chain(planner: str, graph: g.Graph, chain: C.Chain, params: dict[str, Any]

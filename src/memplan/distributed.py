@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,16 +65,19 @@ def bucket_bytes(model: nn.Module) -> int:
     return trainable_bytes([model])
 
 
-def plan_ddp(model: nn.Module, *inputs: Any, loss_fn: Any = None, budget: object,
-             planner: str = "optimal", **kwargs: Any) -> Plan:
-    """A plan for one DDP rank (the model before wrapping, the rank's local batch): the rank's
-    ``budget`` (bytes or '6GiB') less DDP's gradient buckets. Deterministic: equal shapes on
-    every rank give the same plan (compare ``fingerprint(plan)`` across ranks)."""
+def plan_ddp(model: nn.Module, *inputs: Any, kwargs: Mapping[str, Any] | None = None,
+             loss_fn: Any = None, budget: object, planner: str = "optimal",
+             **params: Any) -> Plan:
+    """A plan for one DDP rank (the model before wrapping, the rank's local batch, ``kwargs``
+    its keyword inputs): the rank's ``budget`` (bytes or '6GiB') less DDP's gradient buckets.
+    Deterministic: equal shapes on every rank give the same plan (compare
+    ``fingerprint(plan)`` across ranks). ``params``: the planner's settings."""
     total = parse_budget(budget)
     left = total - bucket_bytes(model)
     if left <= 0:
         raise budget_too_small(total, bucket_bytes(model), planner)
-    return make_plan(model, *inputs, loss_fn=loss_fn, budget=left, planner=planner, **kwargs)
+    return make_plan(model, *inputs, kwargs=kwargs, loss_fn=loss_fn, budget=left,
+                     planner=planner, **params)
 
 
 def fingerprint(plans: Plan | Sequence[Plan] | UnitPlans) -> str:
@@ -142,8 +145,8 @@ def _unit_loss(out: Any) -> torch.Tensor:
     return total
 
 
-def unit_inputs(model: nn.Module, units: Sequence[str], *inputs: Any
-                ) -> dict[str, tuple[Any, ...]]:
+def unit_inputs(model: nn.Module, units: Sequence[str], *inputs: Any,
+                kwargs: Mapping[str, Any] | None = None) -> dict[str, tuple[Any, ...]]:
     """Example inputs of each unit's (first) call in one training forward of ``model``, run on
     fake tensors (no memory, parameters untouched), returned as zero tensors of the same
     shapes, dtypes and requires_grad (non-tensor arguments as they were)."""
@@ -168,7 +171,7 @@ def unit_inputs(model: nn.Module, units: Sequence[str], *inputs: Any
     hooks = [model.get_submodule(p).register_forward_pre_hook(pre_hook(p), with_kwargs=True)
              for p in units]
     try:
-        fake_forward(model, inputs)
+        fake_forward(model, inputs, kwargs=kwargs)
     finally:
         for h in hooks:
             h.remove()
@@ -181,7 +184,8 @@ def unit_inputs(model: nn.Module, units: Sequence[str], *inputs: Any
 FRACTIONS = (0.9, 0.75, 0.6, 0.5, 0.4, 0.3, 0.2)
 
 
-def plan_units(model: nn.Module, units: Sequence[str], *inputs: Any, loss_fn: Any = None,
+def plan_units(model: nn.Module, units: Sequence[str], *inputs: Any,
+               kwargs: Mapping[str, Any] | None = None, loss_fn: Any = None,
                budget: object = None, world_size: int = 1, planner: str = "optimal"
                ) -> UnitPlans:
     """Plans for FSDP units of ``model`` (not yet sharded) that fit one rank's ``budget``.
@@ -197,12 +201,12 @@ def plan_units(model: nn.Module, units: Sequence[str], *inputs: Any, loss_fn: An
         raise bad_arg("world_size", "an integer >= 1", world_size, "Pass dist.get_world_size().")
     paths = _check_units(units)
     total = None if budget is None else parse_budget(budget)
-    examples = unit_inputs(model, paths, *inputs)
+    examples = unit_inputs(model, paths, *inputs, kwargs=kwargs)
     graphs = {p: capture(model.get_submodule(p), *examples[p], loss_fn=_unit_loss)
               for p in paths}
 
     def predict(plans: dict[str, Plan]) -> RankBudget:
-        return rank_budget(model, paths, plans, inputs, loss_fn, world_size)
+        return rank_budget(model, paths, plans, inputs, loss_fn, world_size, kwargs)
 
     def at(fraction: float | None) -> dict[str, Plan]:
         out: dict[str, Plan] = {}
@@ -241,13 +245,14 @@ def _check_units(units: Sequence[str]) -> tuple[str, ...]:
 
 
 def rank_budget(model: nn.Module, units: Sequence[str], plans: dict[str, Plan],
-                inputs: tuple[Any, ...], loss_fn: Any, world_size: int) -> RankBudget:
+                inputs: tuple[Any, ...], loss_fn: Any, world_size: int,
+                kwargs: Mapping[str, Any] | None = None) -> RankBudget:
     """One rank's predicted peak, FSDP units ``units``, ``plans`` applied to theirs
-    (simulated step)."""
+    (simulated step; ``kwargs``: the model's keyword inputs)."""
     for p, pl in plans.items():
         apply(model.get_submodule(p), pl)
     try:
-        rep = measure(model, *inputs, loss_fn=loss_fn, simulate=True)
+        rep = measure(model, *inputs, kwargs=kwargs, loss_fn=loss_fn, simulate=True)
     finally:
         for p in plans:
             unapply(model.get_submodule(p))

@@ -36,15 +36,19 @@ EXAMPLES = int(os.environ.get("MEMPLAN_FUZZ_EXAMPLES", "400"))
 @functools.cache
 def valid_plans() -> tuple[dict[str, Any], ...]:
     """Plans of every planner on stored graphs, bound to their forward (as memplan.plan
-    makes them): drop-cheap stages, nested regions, time predictions, input specs, assumptions."""
+    makes them): drop-cheap stages, nested regions, time predictions, input specs (positional
+    and keyword), assumptions."""
     out = []
     for name, planner in (("resnet", "recursive"), ("resnet", "drop-cheap"),
                           ("lstm", "optimal"), ("gpt", "sqrt"), ("unet", "chen")):
         graph = tiny(name)
         plan = PLANNERS[planner](C.build_chain(graph), None)
         forward = graph.forward
-        if planner == "sqrt":  # what a capture with data-dependent ops assumed
-            forward = dataclasses.replace(forward, assumptions=("sizes of the example batch",))
+        if planner == "sqrt":  # data-dependent ops' assumptions; inputs by keyword
+            mask = {"shape": [2, 8], "dtype": "int64", "requires_grad": False}
+            forward = dataclasses.replace(forward, assumptions=("sizes of the example batch",),
+                                          kwargs={"attention_mask": mask,
+                                                  "extra": {"dict": {"scale": {"value": 0.5}}}})
         plan = dataclasses.replace(plan, forward=forward, predicted_time_s=0.25)
         out.append(json.loads(plan.to_json()))
     return tuple(out)
@@ -74,6 +78,8 @@ def invariants(plan: Plan) -> None:
         assert not s.recompute_ops or s.mode == "drop-cheap"
         assert isinstance(s.module, str)
     assert plan.forward is None or all(isinstance(a, str) for a in plan.forward.assumptions)
+    assert plan.forward is None or all(isinstance(k, str) and k and isinstance(v, dict)
+                                       for k, v in plan.forward.kwargs.items())
 
     class Stages:  # what schedule.validate reads of a chain
         pass

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))
 
 from hf_loop import MARGIN
-from hf_models import batch, build, hf_loss, positional
+from hf_models import batch, build, hf_loss
 
 from tests.runtime.test_integrations import run_example
 
@@ -44,8 +44,7 @@ def test_hf_model_exact_and_within_budget(kind: str, attn: str) -> None:
     model = build(kind, attn)
     plain = copy.deepcopy(model)
     data = batch(kind)
-    example = positional(model, **data)
-    graph = memplan.capture(model, *example, loss_fn=hf_loss)
+    graph = memplan.capture(model, kwargs=data, loss_fn=hf_loss)  # as model(**data) takes them
     least = memplan.plan(graph)
     budget = (least.peak_bytes + least.plain_peak_bytes) // 2
     # Planned with the recipe's margin: on these models the measured peak runs up to 2.9%
@@ -62,8 +61,8 @@ def test_hf_model_exact_and_within_budget(kind: str, attn: str) -> None:
     state = applied_state(model)
     assert state is not None and state.last is not None
     assert state.last.finished and state.last.recorded_ops > 0  # the op-tape runtime ran
-    peak = memplan.measure(model, *example, loss_fn=hf_loss, simulate=False).peak_bytes
-    plain_peak = memplan.measure(plain, *example, loss_fn=hf_loss, simulate=False).peak_bytes
+    peak = memplan.measure(model, kwargs=data, loss_fn=hf_loss, simulate=False).peak_bytes
+    plain_peak = memplan.measure(plain, kwargs=data, loss_fn=hf_loss, simulate=False).peak_bytes
     assert peak <= budget < plain_peak
 
 
@@ -96,13 +95,13 @@ def test_transformers_did_not_bring_another_torch() -> None:
     assert check.returncode == 0, check.stdout + check.stderr
 
 
-def _masked(kind: str) -> tuple[Any, tuple[Any, ...]]:
-    """A tiny model (4 layers) and its positional inputs with a padding attention mask."""
+def _masked(kind: str) -> tuple[Any, dict[str, torch.Tensor]]:
+    """A tiny model (4 layers) and its keyword inputs with a padding attention mask."""
     model = build(kind, "sdpa", layers=4)
     data = batch(kind, size=2, seq=16)
     mask = torch.ones_like(data["input_ids"])
     mask[1, 12:] = 0
-    return model, positional(model, **data, attention_mask=mask)
+    return model, {**data, "attention_mask": mask}
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama", "bert"])
@@ -110,14 +109,14 @@ def test_hf_masked_plans_keep_their_peak(kind: str) -> None:
     """With an attention mask (and Llama's rotary tables) read by every layer: the default
     planner's least peak equals ilp's (the mask and tables used to make every layer boundary
     unclean), and the planned step's real peak is the plan's, to the byte."""
-    model, example = _masked(kind)
-    graph = memplan.capture(model, *example, loss_fn=hf_loss)
+    model, data = _masked(kind)
+    graph = memplan.capture(model, kwargs=data, loss_fn=hf_loss)
     least = memplan.plan(graph)
     assert least.peak_bytes <= memplan.plan(graph, planner="ilp", node_limit=500).peak_bytes
     plan = memplan.plan(graph, budget=(least.peak_bytes + graph.peak_bytes) // 2)
     memplan.apply(model, plan)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        real = memplan.measure(model, *example, loss_fn=hf_loss, simulate=False,
+        real = memplan.measure(model, kwargs=data, loss_fn=hf_loss, simulate=False,
                                repeat=1).peak_bytes
     assert real == plan.peak_bytes <= plan.budget_bytes < graph.peak_bytes

@@ -8,6 +8,7 @@ interleaved runs (medians), so machine noise hits both sides alike.
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +21,7 @@ from memplan.errors import bad_arg
 from memplan.models import Workload
 from memplan.runtime.apply import apply
 from memplan.tracing.measure import measure
-from memplan.tracing.step import default_loss
+from memplan.tracing.step import check_kwargs, default_loss
 from memplan.tracing.timing import step_times
 
 PEAK_TOLERANCE = 0.02  # predicted vs measured peak
@@ -84,15 +85,18 @@ class VerifyReport:
         return "\n".join(lines)
 
 
-def verify(w_or_model: Any, plan: Plan, *inputs: Any, loss_fn: Any = None,
-           device: str = "cpu", repeat: int = 5, seed: int = 1) -> VerifyReport:
-    """Compare one plain and one planned real step of a Workload or ``model, *inputs``."""
+def verify(w_or_model: Any, plan: Plan, *inputs: Any, kwargs: Mapping[str, Any] | None = None,
+           loss_fn: Any = None, device: str = "cpu", repeat: int = 5, seed: int = 1
+           ) -> VerifyReport:
+    """Compare one plain and one planned real step of a Workload or ``model, *inputs``
+    (``kwargs``: inputs the forward takes by keyword)."""
     if repeat < 1:
         raise bad_arg("repeat", "an integer >= 1", repeat, "Use repeat=5 (the default).")
-    plain_model, planned_model, inputs, loss_fn = _pair(w_or_model, inputs, loss_fn, device)
-    apply(planned_model, plan)
-    ref = _one_step(plain_model, inputs, loss_fn, seed)
-    got = _one_step(planned_model, inputs, loss_fn, seed)
+    kw = check_kwargs(kwargs)
+    plain_model, planned_model, inputs, loss_fn = _pair(w_or_model, inputs, kw, loss_fn, device)
+    apply(planned_model, plan, inputs=inputs, kwargs=kw)  # the real ones: routing follows data
+    ref = _one_step(plain_model, inputs, kw, loss_fn, seed)
+    got = _one_step(planned_model, inputs, kw, loss_fn, seed)
     diffs = [(a - b).abs().max().item() if a is not None and b is not None else 0.0
              for a, b in zip(ref["grads"], got["grads"])]
     grads_equal = len(ref["grads"]) == len(got["grads"]) and all(
@@ -100,12 +104,12 @@ def verify(w_or_model: Any, plan: Plan, *inputs: Any, loss_fn: Any = None,
         for a, b in zip(ref["grads"], got["grads"]))
     buffers_equal = all(torch.equal(a, b) for a, b in zip(ref["buffers"], got["buffers"]))
     rng_equal = all(torch.equal(a, b) for a, b in zip(ref["rng"], got["rng"]))
-    planned = measure(planned_model, *inputs, loss_fn=loss_fn, simulate=False, device=device,
-                      repeat=1)
-    plain = measure(plain_model, *inputs, loss_fn=loss_fn, simulate=False, device=device,
-                    repeat=1)
+    planned = measure(planned_model, *inputs, kwargs=kw, loss_fn=loss_fn, simulate=False,
+                      device=device, repeat=1)
+    plain = measure(plain_model, *inputs, kwargs=kw, loss_fn=loss_fn, simulate=False,
+                    device=device, repeat=1)
     plain_s, planned_s = step_times([(plain_model, inputs), (planned_model, inputs)], loss_fn,
-                                    repeat, device)
+                                    repeat, device, kw)
     return VerifyReport(
         grads_equal, max(diffs, default=0.0), buffers_equal, rng_equal, plan.peak_bytes,
         planned.peak_bytes, plain.peak_bytes, plan.budget_bytes, planned.allocator_peak_bytes,
@@ -113,29 +117,34 @@ def verify(w_or_model: Any, plan: Plan, *inputs: Any, loss_fn: Any = None,
     )
 
 
-def _pair(w_or_model: Any, inputs: tuple[Any, ...], loss_fn: Any, device: str
-          ) -> tuple[nn.Module, nn.Module, tuple[Any, ...], Any]:
+def _pair(w_or_model: Any, inputs: tuple[Any, ...], kwargs: dict[str, Any], loss_fn: Any,
+          device: str) -> tuple[nn.Module, nn.Module, tuple[Any, ...], Any]:
     """Two identical models (same weights and buffers) and the inputs, on ``device``."""
     if isinstance(w_or_model, Workload):
+        if inputs or kwargs or loss_fn is not None:
+            raise bad_arg("inputs/kwargs/loss_fn", "nothing beside a Workload (it brings its "
+                          "own)", f"{len(inputs)} inputs, {len(kwargs)} keyword inputs, "
+                          f"loss_fn={loss_fn!r}", "Pass either a Workload alone or model, "
+                          "*inputs, loss_fn=...")
         w = w_or_model
         with torch.device(device):
             return w.build_model(), w.build_model(), w.build_inputs(), w.loss
     if not isinstance(w_or_model, nn.Module):
         raise bad_arg("model", "a memplan Workload or a torch.nn.Module",
                       type(w_or_model).__name__, "Pass a built-in workload or your model.")
-    if not inputs:
-        raise bad_arg("inputs", "example inputs after the model", "none",
+    if not inputs and not kwargs:
+        raise bad_arg("inputs", "example inputs after the model (or kwargs=)", "none",
                       "Call verify(model, plan, x, loss_fn=...).")
     model = w_or_model
     return model, copy.deepcopy(model), inputs, loss_fn or default_loss
 
 
-def _one_step(model: nn.Module, inputs: tuple[Any, ...], loss_fn: Any, seed: int
-              ) -> dict[str, Any]:
+def _one_step(model: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any], loss_fn: Any,
+              seed: int) -> dict[str, Any]:
     for p in model.parameters():
         p.grad = None
     torch.manual_seed(seed)
-    loss_fn(model(*inputs)).backward()
+    loss_fn(model(*inputs, **kwargs)).backward()
     rng = [torch.get_rng_state()]
     if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         rng.append(torch.cuda.get_rng_state())

@@ -26,12 +26,12 @@ def run(args: argparse.Namespace) -> int:
 
     check_device(args.device, "--device")
     target = resolve(args.model, args.batch)
-    obj, inputs, loss_fn = target.call_args()
+    obj, inputs, kwargs, loss_fn = target.call_args()
     how = "running" if args.real else "simulating"
     # Real steps are timed: no module-call counting hook there.
     with working(wide_console(), f"{how} one step of {estimate(target)}",
                  count_calls=not args.real):
-        report = measure(obj, *inputs, loss_fn=loss_fn, simulate=not args.real,
+        report = measure(obj, *inputs, kwargs=kwargs, loss_fn=loss_fn, simulate=not args.real,
                          device=args.device)
     print(report.summary())
     return 0

@@ -62,11 +62,11 @@ def run(args: argparse.Namespace) -> int:
     check_device(args.device, "--device")
     console = wide_console()
     target = resolve(args.model, args.batch)
-    obj, inputs, loss_fn = target.call_args()
+    obj, inputs, kwargs, loss_fn = target.call_args()
     start = time.perf_counter()
     with working(console, f"capturing and planning {estimate(target)}"):
         try:
-            plan = make_plan(obj, *inputs, loss_fn=loss_fn, budget=budget,
+            plan = make_plan(obj, *inputs, kwargs=kwargs, loss_fn=loss_fn, budget=budget,
                              planner=args.planner, objective=args.objective,
                              device=args.device)
         except BudgetTooSmall as err:

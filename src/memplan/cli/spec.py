@@ -2,8 +2,10 @@
 
 * a built-in workload: ``resnet:depth=1000,batch=32``, ``lstm:steps=1024``, ``gpt:layers=12``;
 * a user factory: ``package.module:callable``, a zero-argument callable returning
-  ``(model, example_inputs)`` or ``(model, example_inputs, loss_fn)``. The module is imported
-  only because the spec names it (from the current directory or the installed packages).
+  ``(model, example_inputs)`` or ``(model, example_inputs, loss_fn)``. ``example_inputs``: a
+  tuple (``model(*inputs)``), one tensor, or a dict of keyword inputs (``model(**batch)``).
+  The module is imported only because the spec names it (from the current directory or the
+  installed packages).
 """
 
 from __future__ import annotations
@@ -34,12 +36,14 @@ class ModelSpec:
     model: Any = None
     inputs: tuple[Any, ...] = ()
     loss_fn: Callable[[Any], Any] | None = None
+    kwargs: dict[str, Any] | None = None  # keyword inputs (a factory's dict)
 
-    def call_args(self) -> tuple[Any, tuple[Any, ...], Callable[[Any], Any] | None]:
-        """``(model_or_workload, inputs, loss_fn)`` for capture / measure / plan."""
+    def call_args(self) -> tuple[Any, tuple[Any, ...], dict[str, Any] | None,
+                                 Callable[[Any], Any] | None]:
+        """``(model_or_workload, inputs, kwargs, loss_fn)`` for capture / measure / plan."""
         if self.workload is not None:
-            return self.workload, (), None
-        return self.model, self.inputs, self.loss_fn
+            return self.workload, (), None, None
+        return self.model, self.inputs, self.kwargs, self.loss_fn
 
 
 def estimate(target: ModelSpec) -> str:
@@ -177,7 +181,8 @@ def _check_result(spec: str, result: Any) -> ModelSpec:
     from torch import nn
 
     want = "a tuple (model, example_inputs) or (model, example_inputs, loss_fn)"
-    fix = ("Return e.g. (model, (x, y)) or (model, (x,), lambda out: out.mean()) from the "
+    fix = ("Return e.g. (model, (x, y)), (model, (x,), lambda out: out.mean()) or, for "
+           "keyword inputs, (model, {'input_ids': ids}, lambda out: out.loss) from the "
            "factory.")
     if not isinstance(result, tuple) or len(result) not in (2, 3):
         got = f"{type(result).__name__}" + (f" of length {len(result)}"
@@ -191,12 +196,18 @@ def _check_result(spec: str, result: Any) -> ModelSpec:
         inputs = (inputs,)
     if isinstance(inputs, list):
         inputs = tuple(inputs)
-    if not isinstance(inputs, tuple) or not inputs:
-        raise bad_arg(f"MODEL {spec}", "a non-empty tuple of example inputs second",
-                      type(inputs).__name__, fix)
+    kwargs: dict[str, Any] | None = None
+    if isinstance(inputs, dict):  # keyword inputs: model(**inputs)
+        if not inputs or not all(isinstance(k, str) for k in inputs):
+            raise bad_arg(f"MODEL {spec}", "a non-empty dict with string keys (keyword inputs) "
+                          "second", f"dict with keys {list(inputs)[:5]}", fix)
+        inputs, kwargs = (), dict(inputs)
+    elif not isinstance(inputs, tuple) or not inputs:
+        raise bad_arg(f"MODEL {spec}", "a non-empty tuple of example inputs, or a dict of "
+                      "keyword inputs, second", type(inputs).__name__, fix)
     if loss_fn is not None and not callable(loss_fn):
         raise bad_arg(f"MODEL {spec}", "a callable loss_fn third", type(loss_fn).__name__, fix)
-    return ModelSpec(spec, model=model, inputs=inputs, loss_fn=loss_fn)
+    return ModelSpec(spec, model=model, inputs=inputs, loss_fn=loss_fn, kwargs=kwargs)
 
 
 def _number(raw: str) -> Any:

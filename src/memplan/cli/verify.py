@@ -31,30 +31,37 @@ def run(args: argparse.Namespace) -> int:
     from memplan.cli.spec import resolve
     from memplan.core.plan import load_plan
     from memplan.tracing.device import check_device
-    from memplan.tracing.step import input_specs
+    from memplan.tracing.step import input_specs, kwarg_specs
 
     check_device(args.device, "--device")
     plan = load_plan(args.plan, "PLAN")
     target = resolve(args.model, args.batch)
-    obj, inputs, loss_fn = target.call_args()
+    obj, inputs, kwargs, loss_fn = target.call_args()
     given = inputs if target.workload is None else target.workload.build_inputs()
-    check_inputs(plan, input_specs(tuple(given)), args.plan)
+    check_inputs(plan, input_specs(tuple(given)), kwarg_specs(kwargs or {}), args.plan)
     with working(wide_console(), f"verifying {args.plan} on {target.label}: a plain and a "
                  "planned real step", count_calls=False):
-        report = verify(obj, plan, *inputs, loss_fn=loss_fn, device=args.device,
+        report = verify(obj, plan, *inputs, kwargs=kwargs, loss_fn=loss_fn, device=args.device,
                         repeat=args.repeat)
     print(report.summary())
     return 0 if report.ok else 1
 
 
-def check_inputs(plan: Plan, specs: list[dict[str, Any]], path: str) -> None:
-    """The model's example inputs must be those the plan was made for (shapes and dtypes):
-    a plan for another model or batch is refused before anything runs."""
+def check_inputs(plan: Plan, specs: list[dict[str, Any]], kwarg_specs: dict[str, dict[str, Any]],
+                 path: str) -> None:
+    """The model's example inputs must be those the plan was made for (shapes and dtypes,
+    keyword inputs by name): a plan for another model or batch is refused before anything
+    runs."""
     if plan.forward is None:
         return  # memplan.apply refuses it with its own message
-    if [_shown(s) for s in plan.forward.inputs] != [_shown(s) for s in specs]:
-        recorded = ", ".join(_shown(s) for s in plan.forward.inputs)
-        given = ", ".join(_shown(s) for s in specs)
+
+    def shown(specs: list[dict[str, Any]], kwargs: dict[str, dict[str, Any]]) -> list[str]:
+        return [_shown(s) for s in specs] + [f"{k}={_shown(kwargs[k])}" for k in sorted(kwargs)]
+
+    want = shown(list(plan.forward.inputs), plan.forward.kwargs)
+    got = shown(specs, kwarg_specs)
+    if want != got:
+        recorded, given = ", ".join(want), ", ".join(got)
         raise PlanMismatch(
             f"PLAN {printable(path)} was made for other inputs ({recorded}) than MODEL gives "
             f"({given}): a plan for another model or batch. Make one for this model: "

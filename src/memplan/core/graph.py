@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from memplan.errors import PlanInvalid
@@ -115,12 +115,18 @@ class ForwardSpec:
     autocast: dict[str, str]  # device -> dtype where autocast was on: it changes the ops
     # What the capture assumed (e.g. data-dependent sizes of the example batch); plans say it.
     assumptions: tuple[str, ...] = ()
+    # Example inputs passed by keyword (``kwargs=``), by name, specs as ``inputs``'.
+    kwargs: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        out = {"ops": self.ops, "fingerprint": self.fingerprint,
-               "inputs": [dict(s) for s in self.inputs], "autocast": dict(self.autocast)}
-        if self.assumptions:  # absent when none: older readers and stored graphs unchanged
+        out: dict[str, Any] = {"ops": self.ops, "fingerprint": self.fingerprint,
+                               "inputs": [dict(s) for s in self.inputs],
+                               "autocast": dict(self.autocast)}
+        # Each absent when empty: older readers and stored graphs unchanged.
+        if self.assumptions:
             out["assumptions"] = list(self.assumptions)
+        if self.kwargs:
+            out["kwargs"] = {name: dict(s) for name, s in self.kwargs.items()}
         return out
 
     @classmethod
@@ -128,7 +134,8 @@ class ForwardSpec:
         return cls(int(data["ops"]), str(data["fingerprint"]),
                    tuple(dict(s) for s in data.get("inputs", [])),
                    dict(data.get("autocast") or {}),
-                   tuple(str(a) for a in data.get("assumptions", ())))
+                   tuple(str(a) for a in data.get("assumptions", ())),
+                   {str(k): dict(s) for k, s in (data.get("kwargs") or {}).items()})
 
 
 @dataclass(frozen=True)

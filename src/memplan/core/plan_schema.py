@@ -168,11 +168,14 @@ def _items(value: object, where: str, n: int, depth: int) -> tuple[S.Item, ...]:
 
 
 def _forward(value: object, n_ops: int) -> None:
-    fwd = _keys(value, "forward", _FORWARD, ("assumptions",))
+    fwd = _keys(value, "forward", _FORWARD, ("assumptions", "kwargs"))
     _int(fwd["ops"], "forward.ops", hi=n_ops)
     _text(fwd["fingerprint"], "forward.fingerprint")
     for i, spec in enumerate(_list(fwd["inputs"], "forward.inputs")):
         _input_spec(spec, f"forward.inputs[{i}]")
+    for name, spec in _keys(fwd.get("kwargs", {}), "forward.kwargs", (), None).items():
+        _text(name, "forward.kwargs key", empty=False)
+        _input_spec(spec, f"forward.kwargs.{printable(name)}")
     for i, note in enumerate(_list(fwd.get("assumptions", []), "forward.assumptions")):
         _text(note, f"forward.assumptions[{i}]")
     autocast = _keys(fwd["autocast"], "forward.autocast", (), AUTOCAST_DEVICES)

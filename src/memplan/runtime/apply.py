@@ -14,6 +14,7 @@ from __future__ import annotations
 import inspect
 import os
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +34,7 @@ from memplan.runtime.replay import replaying
 from memplan.runtime.tape import Namer, UnitInfo, unit_info
 from memplan.runtime.wrappers import check_wrappers
 from memplan.tracing.fake import DTYPES
+from memplan.tracing.step import check_kwargs
 
 _ATTR = "_memplan_applied"
 
@@ -51,7 +53,7 @@ class Applied:
     state: R.StepState | None = None
     last: R.StepState | None = None  # the latest planned forward (tests read its counters)
     warned: bool = False
-    warned_inputs: set[tuple[Any, ...]] = field(default_factory=set)
+    warned_inputs: set[Spec] = field(default_factory=set)
     wrappers_checked: bool = False  # FSDP units inside the model: checked at the first step
     infos: dict[str, UnitInfo] = field(default_factory=dict)  # per unit module
 
@@ -116,7 +118,7 @@ def _run_planned(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
         if lay.templates:
             check_wrappers(model)
         applied.wrappers_checked = True
-    _check_inputs(applied, args)
+    _check_inputs(applied, args, kwargs)
 
     def info(path: str, module: nn.Module) -> UnitInfo:
         got = applied.infos.get(path)
@@ -180,23 +182,29 @@ class _PostHook:
 
 
 def apply(model: nn.Module, plan: Plan | str | dict[str, Any] | None = None, *,
-          budget: object = None, inputs: tuple[Any, ...] | None = None, loss_fn: Any = None,
+          budget: object = None, inputs: tuple[Any, ...] | None = None,
+          kwargs: Mapping[str, Any] | None = None, loss_fn: Any = None,
           planner: str = "optimal", objective: str = "flops") -> nn.Module:
     """Make ``model`` train under ``plan`` (a Plan, its JSON file, or its dict), or plan and
     apply in one call: ``apply(model, budget="6GiB", inputs=(x,), loss_fn=...)``.
+    ``inputs`` and ``kwargs`` (inputs taken by keyword): the example inputs the plan is
+    checked on; without them, zeros of the plan's input shapes.
 
     Returns the same module. ``eval()`` or ``torch.no_grad()`` forwards run plainly.
     Raises PlanMismatch (and leaves the model untouched) when the plan was made for another
     model; warns, with the predicted peak, when ``inputs`` have other shapes than the plan's.
     """
     _check_model(model, inputs)
+    kw = None if kwargs is None else check_kwargs(kwargs)
+    if kw is not None and inputs is None:
+        inputs = ()  # all by keyword
     if plan is None:
         if budget is None or inputs is None:
             raise bad_arg("plan", "a Plan, or budget= with inputs= to make one", None,
                           "Call apply(model, plan) or apply(model, budget='6GiB', "
                           "inputs=(x,), loss_fn=...).")
-        plan = make_plan(model, *inputs, loss_fn=loss_fn, budget=budget, planner=planner,
-                         objective=objective)
+        plan = make_plan(model, *inputs, kwargs=kw, loss_fn=loss_fn, budget=budget,
+                         planner=planner, objective=objective)
     elif budget is not None:
         raise bad_arg("budget", "nothing when a plan is given", budget,
                       "Give either a plan or a budget, not both.")
@@ -207,12 +215,12 @@ def apply(model: nn.Module, plan: Plan | str | dict[str, Any] | None = None, *,
             "from a Chain, not by memplan.plan(...)); make it with memplan.plan(model, *inputs, "
             "loss_fn=..., budget=...)."
         )
-    fake = _check(model, plan, plan.forward, inputs)
+    fake = _check(model, plan, plan.forward, inputs, kw)
     lay = layout(plan, plan.forward.ops, fake.call_ends, fake.calls, fake.values,
                  fake.targets, fake.written)
     applied = _install(model, plan, lay)
     if inputs is not None:
-        _check_inputs(applied, inputs, stacklevel=3)
+        _check_inputs(applied, inputs, kw, stacklevel=3)
     return model
 
 
@@ -290,32 +298,53 @@ def _as_plan(plan: Plan | str | os.PathLike[str] | dict[str, Any]) -> Plan:
 # --- inputs ------------------------------------------------------------------------------------
 
 
-def _spec_text(spec: tuple[Any, ...]) -> str:
-    return ", ".join("-" if s is None else f"{list(s[0])} {str(s[1]).removeprefix('torch.')}"
-                     for s in spec)
+# A tensor input as (shape, dtype), None for others; labelled by position or keyword.
+Spec = tuple[tuple[str, Any], ...]
 
 
-def _input_spec(args: tuple[Any, ...]) -> tuple[Any, ...]:
-    return tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else None for a in args)
+def _spec_text(spec: Spec) -> str:
+    def one(label: str, s: Any) -> str:
+        shown = "-" if s is None else f"{list(s[0])} {str(s[1]).removeprefix('torch.')}"
+        return shown if label.isdigit() else f"{label}={shown}"
+
+    # Positions shown all ("-": not a tensor), keywords only where a tensor.
+    return ", ".join(one(label, s) for label, s in spec if s is not None or label.isdigit())
 
 
-def _plan_spec(plan: Plan) -> tuple[Any, ...]:
-    specs = plan.forward.inputs if plan.forward is not None else ()
-    return tuple((tuple(s["shape"]), DTYPES[s["dtype"]]) if "shape" in s else None
-                 for s in specs)
+def _tensor_spec(a: Any) -> Any:
+    return (tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else None
 
 
-def _check_inputs(applied: Applied, args: tuple[Any, ...], stacklevel: int = 4) -> None:
+def _input_spec(args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> Spec:
+    return (tuple((str(i), _tensor_spec(a)) for i, a in enumerate(args))
+            + tuple((k, _tensor_spec(v)) for k, v in (kwargs or {}).items()))
+
+
+def _plan_spec(plan: Plan) -> Spec:
+    def one(s: dict[str, Any]) -> Any:
+        return (tuple(s["shape"]), DTYPES[s["dtype"]]) if "shape" in s else None
+
+    fwd = plan.forward
+    if fwd is None:
+        return ()
+    return (tuple((str(i), one(s)) for i, s in enumerate(fwd.inputs))
+            + tuple((k, one(s)) for k, s in fwd.kwargs.items()))
+
+
+def _check_inputs(applied: Applied, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None,
+                  stacklevel: int = 4) -> None:
     """Warn, once per input shape, when a forward's tensor inputs differ from the plan's:
     the plan's stages still hold, its memory does not (predicted peak scaled by the inputs'
-    size: activations grow with the batch, weights do not)."""
-    want = _plan_spec(applied.plan)[: len(args)]  # inputs passed by keyword: not compared
-    got = _input_spec(args[: len(want)])
+    size: activations grow with the batch, weights do not). Inputs are compared by position
+    and by keyword; one passed one way here and the other in the plan is not compared."""
+    plan_spec = dict(_plan_spec(applied.plan))
+    got = tuple((k, s) for k, s in _input_spec(args, kwargs) if k in plan_spec)
+    want = tuple((k, plan_spec[k]) for k, _ in got)
     if got == want or got in applied.warned_inputs or len(applied.warned_inputs) > 16:
         return
     applied.warned_inputs.add(got)
     ratio = 1.0
-    for w, h in zip(want, got):
+    for (_, w), (_, h) in zip(want, got):
         if w is not None and h is not None:
             old = _numel(w[0]) * w[1].itemsize
             ratio = max(ratio, _numel(h[0]) * h[1].itemsize / old if old else 1.0)
@@ -344,8 +373,8 @@ def _numel(shape: tuple[int, ...]) -> int:
 # --- the plan against the model: a forward on fake tensors ------------------------------------
 
 
-def _check(model: nn.Module, plan: Plan, forward: ForwardSpec, inputs: tuple[Any, ...] | None
-           ) -> FakeForward:
+def _check(model: nn.Module, plan: Plan, forward: ForwardSpec, inputs: tuple[Any, ...] | None,
+           kwargs: dict[str, Any] | None) -> FakeForward:
     """Run the forward on fake tensors and compare its op sequence with the plan's."""
     watch = sorted({st.module for st in plan.stages if _has_module(model, st.module)})
     mismatch = (f"apply: the plan was made for another model or other inputs (its forward has "
@@ -353,12 +382,13 @@ def _check(model: nn.Module, plan: Plan, forward: ForwardSpec, inputs: tuple[Any
     fix = ("The model was left untouched; make a plan for it with memplan.plan(model, *inputs, "
            "loss_fn=..., budget=...).")
     try:
-        fake = probe(model, inputs, forward.inputs, forward.autocast, watch)
+        fake = probe(model, inputs, forward.inputs, forward.autocast, watch, kwargs,
+                     forward.kwargs)
     except MemplanError:  # a mismatch, or data-dependent ops it could not size
         raise
     except Exception as err:  # the user's forward failed on the plan's inputs
         first = (str(err).strip().splitlines() or [""])[0][:300]
-        shown = _spec_text(_plan_spec(plan)) if inputs is None else _spec_text(_input_spec(inputs))
+        shown = _spec_text(_plan_spec(plan) if inputs is None else _input_spec(inputs, kwargs))
         raise PlanMismatch(f"{mismatch}; this model's forward fails on inputs {shown}: "
                            f"{type(err).__name__}: {first}). {fix}") from err
     got_fp = g.forward_fingerprint(fake.targets)
@@ -368,7 +398,8 @@ def _check(model: nn.Module, plan: Plan, forward: ForwardSpec, inputs: tuple[Any
                  " With no inputs= given, apply ran the forward on zeros of the plan's input "
                  "shapes: if the model's ops depend on the data (a mixture of experts' "
                  "routing, a loop over the tokens each expert got), pass the example inputs "
-                 "the plan was made with: memplan.apply(model, plan, inputs=(...)).")
+                 "the plan was made with: memplan.apply(model, plan, inputs=(...)"
+                 + (", kwargs={...})." if forward.kwargs else ")."))
         raise PlanMismatch(f"{mismatch}; this model's has {len(fake.targets)} ops, fingerprint "
                            f"{got_fp}). {fix}{zeros}")
     return fake

@@ -10,7 +10,7 @@ import contextlib
 import logging
 import sys
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +21,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from memplan.runtime import units as U
 from memplan.runtime.tape import WRITE_ONLY, tensor_leaves, tensors, written_tensors
 from memplan.tracing.datadep import Oracle, run_with_oracle
-from memplan.tracing.fake import fake_forward, model_device, real_forward, spec_args
+from memplan.tracing.fake import (
+    fake_forward,
+    model_device,
+    real_forward,
+    spec_args,
+    spec_kwargs,
+)
 from memplan.tracing.module_hooks import global_module_hooks
 from memplan.tracing.opinfo import is_counted
 from memplan.tracing.step import no_cyclic_gc
@@ -41,21 +47,30 @@ class FakeForward:
 
 
 def probe(model: nn.Module, inputs: Sequence[Any] | None, specs: Sequence[dict[str, Any]] = (),
-          autocast: dict[str, str] | None = None, watch: Sequence[str] = ()) -> FakeForward:
-    """Run the forward on fake tensors (from ``inputs``, or the plan's input ``specs``) and
-    watch it; data-dependent ops sized from one real forward, as capture sizes them
-    (``datadep``). Exceptions of the model's own code propagate."""
+          autocast: dict[str, str] | None = None, watch: Sequence[str] = (),
+          kwargs: Mapping[str, Any] | None = None,
+          kwarg_specs: Mapping[str, dict[str, Any]] | None = None) -> FakeForward:
+    """Run the forward on fake tensors (from ``inputs`` and ``kwargs``, or when ``inputs`` is
+    None the plan's input ``specs`` and ``kwarg_specs``) and watch it; data-dependent ops
+    sized from one real forward, as capture sizes them (``datadep``). Exceptions of the
+    model's own code propagate."""
 
     def real() -> None:
-        args = inputs if inputs is not None else spec_args(specs, model_device(model))
-        real_forward(model, args, autocast=autocast)
+        if inputs is None:
+            device = model_device(model)
+            args, kw = spec_args(specs, device), spec_kwargs(kwarg_specs or {}, device)
+        else:
+            args, kw = tuple(inputs), dict(kwargs or {})
+        real_forward(model, args, autocast=autocast, kwargs=kw)
 
     result: FakeForward = run_with_oracle(
-        lambda oracle: _probe(model, inputs, specs, autocast, watch, oracle), real)
+        lambda oracle: _probe(model, (inputs, kwargs), (specs, kwarg_specs), autocast, watch,
+                              oracle), real)
     return result
 
 
-def _probe(model: nn.Module, inputs: Sequence[Any] | None, specs: Sequence[dict[str, Any]],
+def _probe(model: nn.Module, given: tuple[Sequence[Any] | None, Mapping[str, Any] | None],
+           specs: tuple[Sequence[dict[str, Any]], Mapping[str, dict[str, Any]] | None],
            autocast: dict[str, str] | None, watch: Sequence[str], oracle: Oracle
            ) -> FakeForward:
     names = {id(m): path for path, m in model.named_modules()}
@@ -89,9 +104,9 @@ def _probe(model: nn.Module, inputs: Sequence[Any] | None, specs: Sequence[dict[
     # Values die by reference counting, in order; a forward failing on fake tensors is
     # reported by the caller, not logged by torch.
     with no_cyclic_gc(), _quiet_fake_tensor_log():
-        out = fake_forward(model, inputs, specs, autocast,
+        out = fake_forward(model, given[0], specs[0], autocast,
                            within=[global_module_hooks(pre, post, post_kwargs=True), counter,
-                                   counter.saving()])
+                                   counter.saving()], kwargs=given[1], kwarg_specs=specs[1])
         counter.kept = set(counter.live.values())  # saved for backward, or the output
         del out
     return FakeForward(counter.targets, call_ends, _calls(model, calls, counter),

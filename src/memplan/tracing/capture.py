@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -14,16 +15,18 @@ from memplan.tracing.step import LossFn, Target, as_target, no_cyclic_gc, run_st
 from memplan.tracing.tracer import StepTracer
 
 
-def capture(model: Any, *inputs: Any, loss_fn: LossFn | None = None,
-            device: str | None = None) -> g.Graph:
-    """Capture a Workload (``memplan.models.get(...)``) or ``model, *inputs, loss_fn=...``.
+def capture(model: Any, *inputs: Any, kwargs: Mapping[str, Any] | None = None,
+            loss_fn: LossFn | None = None, device: str | None = None) -> g.Graph:
+    """Capture a Workload (``memplan.models.get(...)``) or ``model, *inputs, loss_fn=...``;
+    ``kwargs``: inputs the forward takes by keyword (``model(*inputs, **kwargs)``; for a
+    Hugging Face batch, ``kwargs=batch``).
 
     Runs forward, loss and backward once under ``FakeTensorMode`` (no real memory, so
     paper-scale models fit on a laptop) and records every aten op in order. ``device``
     (Workloads only; a user model is captured where its parameters are): kernels differ by
     device (e.g. attention on CUDA), so capture for the device you train on.
     """
-    return capture_target(as_target(model, inputs, loss_fn), device)
+    return capture_target(as_target(model, inputs, loss_fn, kwargs), device)
 
 
 def capture_target(target: Target, device: str | None = None, fast: bool = True) -> g.Graph:
@@ -39,7 +42,8 @@ def capture_target(target: Target, device: str | None = None, fast: bool = True)
         tracer = result.tracer
         n = tracer.model_ops
         forward = g.ForwardSpec(n, g.forward_fingerprint([o.target for o in tracer.ops[:n]]),
-                                tuple(result.input_specs), autocast_state(), result.notes)
+                                tuple(result.input_specs), autocast_state(), result.notes,
+                                result.kwarg_specs)
         graph = build_graph(tracer, target.name, result.output_ids, forward, tracer.user_deaths)
         tracer.drop_records()
         del result, tracer

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, cast
 
 import torch
@@ -241,7 +241,7 @@ def fake_call(model: nn.Module, params: dict[str, torch.Tensor],
               buffers: dict[str, torch.Tensor]) -> Callable[..., Any]:
     """``model``'s forward with ``params`` and ``buffers`` in place of its own tensors."""
     state = functional_state(model, {**params, **buffers})
-    return lambda *args: functional_call(model, state, args, tie_weights=False)
+    return lambda *args, **kwargs: functional_call(model, state, args, kwargs, tie_weights=False)
 
 
 def fake_args(fake: FakeTensorMode, inputs: Sequence[Any]) -> tuple[Any, ...]:
@@ -249,10 +249,21 @@ def fake_args(fake: FakeTensorMode, inputs: Sequence[Any]) -> tuple[Any, ...]:
     return tuple(fake.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in inputs)
 
 
+def fake_kwargs(fake: FakeTensorMode, kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """``fake_args`` of keyword inputs."""
+    return dict(zip(kwargs, fake_args(fake, tuple(kwargs.values()))))
+
+
 def spec_args(specs: Sequence[dict[str, Any]], device: torch.device) -> tuple[Any, ...]:
     """Inputs rebuilt from a plan's input specs (zeros of the recorded shape and dtype; under
     a FakeTensorMode, fake ones)."""
     return tuple(_from_spec(spec, device, f"example input {i}") for i, spec in enumerate(specs))
+
+
+def spec_kwargs(specs: Mapping[str, dict[str, Any]], device: torch.device) -> dict[str, Any]:
+    """``spec_args`` of keyword inputs."""
+    return {name: _from_spec(spec, device, f"keyword input {name!r}")
+            for name, spec in specs.items()}
 
 
 def _from_spec(spec: dict[str, Any], device: torch.device, what: str) -> Any:
@@ -323,14 +334,15 @@ def autocast_as(autocast: dict[str, str] | None) -> Iterator[None]:
 
 
 def real_forward(model: nn.Module, args: Sequence[Any], loss_fn: Callable[[Any], Any] | None = None,
-                 autocast: dict[str, str] | None = None) -> None:
+                 autocast: dict[str, str] | None = None,
+                 kwargs: Mapping[str, Any] | None = None) -> None:
     """One real training-mode forward (and loss) under ``no_grad``: what sizes data-dependent
     ops (``datadep``). Buffers are updated on copies; the model's parameters, buffers,
     training mode and the RNG are left as they were."""
     buffers = {name: b.clone() for name, b in model.named_buffers()}
     with untouched(model), torch.no_grad(), autocast_as(autocast):
         out = functional_call(model, functional_state(model, buffers), tuple(args),
-                              tie_weights=False)
+                              dict(kwargs or {}), tie_weights=False)
         if loss_fn is not None:
             loss_fn(out)
 
@@ -341,17 +353,23 @@ def model_device(model: nn.Module) -> torch.device:
 
 def fake_forward(model: nn.Module, inputs: Sequence[Any] | None,
                  specs: Sequence[dict[str, Any]] = (), autocast: dict[str, str] | None = None,
-                 within: Sequence[contextlib.AbstractContextManager[Any]] = ()) -> Any:
+                 within: Sequence[contextlib.AbstractContextManager[Any]] = (),
+                 kwargs: Mapping[str, Any] | None = None,
+                 kwarg_specs: Mapping[str, dict[str, Any]] | None = None) -> Any:
     """One training-mode forward of ``model`` on fake tensors, from real example ``inputs``
-    (or, when None, from input ``specs``), under ``autocast`` and the context managers
-    ``within``; returns its (fake) output. The model's parameters, buffers, attributes,
-    training mode and the RNG are left as they were."""
+    and ``kwargs`` (or, when ``inputs`` is None, from the input ``specs`` and
+    ``kwarg_specs``), under ``autocast`` and the context managers ``within``; returns its
+    (fake) output. The model's parameters, buffers, attributes, training mode and the RNG
+    are left as they were."""
     device = model_device(model)
     with untouched(model), fake_mode() as fake:
         params, buffers = fake_state(fake, model)
-        args = spec_args(specs, device) if inputs is None else fake_args(fake, inputs)
+        if inputs is None:
+            args, kw = spec_args(specs, device), spec_kwargs(kwarg_specs or {}, device)
+        else:
+            args, kw = fake_args(fake, inputs), fake_kwargs(fake, kwargs or {})
         with autocast_as(autocast), contextlib.ExitStack() as stack:
             for cm in within:
                 stack.enter_context(cm)
             stack.enter_context(torch.enable_grad())
-            return fake_call(model, params, buffers)(*args)
+            return fake_call(model, params, buffers)(*args, **kw)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -19,6 +19,7 @@ from memplan.tracing.timing import step_times
 def measure(
     model: Any,
     *inputs: Any,
+    kwargs: Mapping[str, Any] | None = None,
     loss_fn: LossFn | None = None,
     simulate: bool = True,
     device: str = "cpu",
@@ -30,11 +31,12 @@ def measure(
     ``simulate=False`` runs it for real on ``device`` with the same live-storage tracker, adds
     the CUDA allocator's peak on CUDA, and times ``repeat`` further untracked steps (median).
     A Workload is built on ``device``; a user model and inputs are used where they are.
+    ``kwargs``: inputs the forward takes by keyword (``model(*inputs, **kwargs)``).
     """
     if repeat < 1:
         raise bad_arg("repeat", "an integer >= 1", repeat, "Use repeat=3 (the default).")
     dev = check_device(device)
-    target = as_target(model, inputs, loss_fn)
+    target = as_target(model, inputs, loss_fn, kwargs)
     if simulate:
         result = run_step(target, simulate=True, record=False, device=device)
         return _report(target, result, device, simulated=True)
@@ -96,7 +98,8 @@ def _report(target: Target, result: StepResult, device: str, simulated: bool) ->
 def _time_steps(target: Target, device: str, repeat: int) -> float:
     """Median seconds of ``repeat`` untracked steps (after one warm-up step)."""
     model, inputs = target.build() if target.user_model is not None else _build_on(target, device)
-    return step_times([(model, inputs)], target.loss_fn, repeat, torch.device(device))[0]
+    return step_times([(model, inputs)], target.loss_fn, repeat, torch.device(device),
+                      target.kwargs)[0]
 
 
 def _build_on(target: Target, device: str) -> tuple[Any, tuple[Any, ...]]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -22,6 +22,7 @@ from memplan.tracing.datadep import Oracle, run_with_oracle
 from memplan.tracing.fake import (
     fake_args,
     fake_call,
+    fake_kwargs,
     fake_mode,
     fake_state,
     kept_python_state,
@@ -45,31 +46,52 @@ class Target:
     loss_fn: LossFn
     user_model: nn.Module | None  # set when the user passed a real model
     workload: Workload | None = None  # set when it is a Workload
+    kwargs: dict[str, Any] = field(default_factory=dict)  # the model's keyword inputs
 
 
-def as_target(obj: Any, inputs: tuple[Any, ...], loss_fn: LossFn | None) -> Target:
-    """Accept a Workload, or a model with example inputs and a loss function."""
+def as_target(obj: Any, inputs: tuple[Any, ...], loss_fn: LossFn | None,
+              kwargs: Mapping[str, Any] | None = None) -> Target:
+    """Accept a Workload, or a model with example inputs (positional ``inputs``, keyword
+    ``kwargs``) and a loss function."""
+    kw = check_kwargs(kwargs)
     if isinstance(obj, Workload):
-        if inputs or loss_fn is not None:
+        if inputs or kw or loss_fn is not None:
             raise bad_arg(
-                "inputs/loss_fn", "nothing beside a Workload (it brings its own)",
-                f"{len(inputs)} inputs, loss_fn={loss_fn!r}",
+                "inputs/kwargs/loss_fn", "nothing beside a Workload (it brings its own)",
+                f"{len(inputs)} inputs, {len(kw)} keyword inputs, loss_fn={loss_fn!r}",
                 "Pass either a Workload alone or model, *inputs, loss_fn=...",
             )
         w = obj
         return Target(w.spec, lambda: (w.build_model(), w.build_inputs()), w.loss, None, w)
     if isinstance(obj, nn.Module):
-        if not inputs:
+        if not inputs and not kw:
             raise bad_arg(
-                "inputs", "at least one example input after the model", "none",
-                "Call e.g. memplan.capture(model, x, loss_fn=lambda out: out.sum()).",
+                "inputs", "at least one example input after the model (or kwargs=)", "none",
+                "Call e.g. memplan.capture(model, x, loss_fn=lambda out: out.sum()), or pass "
+                "inputs by keyword: memplan.capture(model, kwargs={'input_ids': ids}, ...).",
             )
         model = obj
-        return Target(type(model).__name__, lambda: (model, inputs), loss_fn or default_loss, model)
+        return Target(type(model).__name__, lambda: (model, inputs), loss_fn or default_loss,
+                      model, kwargs=kw)
     raise bad_arg(
         "model", "a memplan Workload or a torch.nn.Module", type(obj).__name__,
         "Use memplan.models.get(...) or pass your nn.Module.",
     )
+
+
+def check_kwargs(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+    """A model's keyword inputs as a dict (None: none), or a clear error."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, Mapping):
+        raise bad_arg("kwargs", "a dict of the model's keyword inputs", type(kwargs).__name__,
+                      "Write e.g. kwargs={'attention_mask': mask}, or kwargs=batch for "
+                      "model(**batch).")
+    bad = [k for k in kwargs if not isinstance(k, str)]
+    if bad:
+        raise bad_arg("kwargs", "a dict with string keys (the forward's parameter names)",
+                      repr(bad[0]), "Use the names of the forward's parameters as keys.")
+    return dict(kwargs)
 
 
 def default_loss(out: Any) -> torch.Tensor:
@@ -88,6 +110,7 @@ class StepResult:
     params: list[torch.Tensor]
     output_ids: tuple[int, ...]
     input_specs: list[dict[str, Any]]
+    kwarg_specs: dict[str, dict[str, Any]]
     notes: tuple[str, ...] = ()  # assumptions the step was captured under (``datadep``)
 
 
@@ -127,7 +150,7 @@ def run_step(target: Target, *, simulate: bool, record: bool, device: str | None
 
     def real() -> None:
         model, inputs = _materialise(target, device)
-        real_forward(model, inputs, target.loss_fn)
+        real_forward(model, inputs, target.loss_fn, kwargs=target.kwargs)
 
     try:
         result: StepResult = run_with_oracle(
@@ -144,7 +167,7 @@ def run_step(target: Target, *, simulate: bool, record: bool, device: str | None
     except Exception as err:
         raise CaptureError(
             f"capture: the training step of {target.name} raised {type(err).__name__} on fake "
-            f"tensors: {err}. Check that it runs plainly (model(*inputs), loss_fn(output), "
+            f"tensors: {err}. Check that it runs plainly (model(*inputs, **kwargs), loss_fn(output), "
             "backward) on these inputs; if it does, file an issue with the model."
             + _packed(target, err)
         ) from err
@@ -152,11 +175,17 @@ def run_step(target: Target, *, simulate: bool, record: bool, device: str | None
 
 def _packed(target: Target, err: Exception) -> str:
     """A hint where the inputs came packed: ``capture(model, (x, edge_index))`` gives the
-    forward one tuple (the public functions take a model's inputs as separate arguments)."""
-    if not isinstance(err, TypeError) or target.user_model is None:
+    forward one tuple (the public functions take a model's inputs as separate arguments),
+    ``capture(model, batch)`` one dict where the model takes ``model(**batch)``."""
+    if target.user_model is None or target.kwargs:
         return ""
     inputs = target.build()[1]  # a user model's: the objects passed, nothing built
-    if len(inputs) != 1 or not isinstance(inputs[0], (tuple, list)):
+    if len(inputs) == 1 and type(inputs[0]) is dict and all(isinstance(k, str)
+                                                            for k in inputs[0]):
+        return (f" The one input given is a dict of {len(inputs[0])}: if the model takes "
+                "them by keyword (model(**batch)), pass kwargs=batch instead.")
+    if not isinstance(err, TypeError) or len(inputs) != 1 or not isinstance(inputs[0],
+                                                                              (tuple, list)):
         return ""
     return (f" The one input given is a {type(inputs[0]).__name__} of {len(inputs[0])}: pass "
             "the model's inputs as separate arguments, memplan.capture(model, *inputs, "
@@ -172,6 +201,7 @@ class _Step:
     params: dict[str, torch.Tensor]
     buffers: dict[str, torch.Tensor]
     inputs: tuple[Any, ...]
+    kwargs: dict[str, Any]
     call: Callable[..., Any]
 
 
@@ -197,7 +227,7 @@ def _run_step(target: Target, oracle: Oracle | None, record: bool, device: str |
                 tracer.register(p.grad, g.GRADIENT)
         for b in step.buffers.values():
             tracer.register(b, g.BUFFER)
-        for x in _tensors(step.inputs):
+        for x in _tensors((step.inputs, step.kwargs)):
             tracer.register(x, g.INPUT)
         saves: Any = contextlib.nullcontext()
         if record and fake is not None:  # saves apart from their values: tracer.pack
@@ -206,7 +236,7 @@ def _run_step(target: Target, oracle: Oracle | None, record: bool, device: str |
         with module_hooks(tracer, step.model) if record else contextlib.nullcontext(), tracer:
             with saves, stamper.installed() if stamper else contextlib.nullcontext():
                 tracer.in_model = True
-                out = step.call(*step.inputs)
+                out = step.call(*step.inputs, **step.kwargs)
                 tracer.in_model = False
                 tracer.model_ops = len(tracer.ops)
                 loss = target.loss_fn(out)
@@ -229,7 +259,8 @@ def _run_step(target: Target, oracle: Oracle | None, record: bool, device: str |
         del out, loss
         tracer.close()
         notes = oracle.notes() if oracle is not None else ()
-        return StepResult(tracer, param_list, output_ids, input_specs(step.inputs), notes)
+        return StepResult(tracer, param_list, output_ids, input_specs(step.inputs),
+                          kwarg_specs(step.kwargs), notes)
 
 
 def _prepare(target: Target, fake: FakeTensorMode | None, meta_model: nn.Module | None,
@@ -239,13 +270,14 @@ def _prepare(target: Target, fake: FakeTensorMode | None, meta_model: nn.Module 
         with torch.device(on):
             inputs = target.workload.build_inputs()
         params, buffers = make_fake_in_place(fake, meta_model, on)
-        return _Step(meta_model, params, buffers, inputs, meta_model)
+        return _Step(meta_model, params, buffers, inputs, {}, meta_model)
     model, inputs = _materialise(target, device)
     if fake is None:
         return _Step(model, dict(model.named_parameters()), dict(model.named_buffers()),
-                     inputs, model)
+                     inputs, target.kwargs, model)
     params, buffers = fake_state(fake, model, fast)  # fake copies of the model and inputs
-    return _Step(model, params, buffers, fake_args(fake, inputs), fake_call(model, params, buffers))
+    return _Step(model, params, buffers, fake_args(fake, inputs),
+                 fake_kwargs(fake, target.kwargs), fake_call(model, params, buffers))
 
 
 def _materialise(target: Target, device: str | None) -> tuple[nn.Module, tuple[Any, ...]]:
@@ -260,6 +292,11 @@ def input_specs(inputs: tuple[Any, ...]) -> list[dict[str, Any]]:
     lists, tuples and string-keyed dicts of those), enough to rebuild fake inputs and check a
     plan against a model (``memplan.apply``)."""
     return [_spec(x, MAX_SPEC_DEPTH) for x in inputs]
+
+
+def kwarg_specs(kwargs: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """``input_specs`` of keyword inputs, by name."""
+    return {name: _spec(x, MAX_SPEC_DEPTH) for name, x in kwargs.items()}
 
 
 def _spec(x: Any, depth: int) -> dict[str, Any]:

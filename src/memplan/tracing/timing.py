@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -56,17 +56,17 @@ class _OpTimer(TorchDispatchMode):  # type: ignore[no-untyped-call]
         return out
 
 
-def op_times(w_or_model: Any, *inputs: Any, loss_fn: LossFn | None = None,
-             graph: g.Graph | None = None, device: str = "cpu", repeat: int = 3
-             ) -> list[list[float]]:
+def op_times(w_or_model: Any, *inputs: Any, kwargs: Mapping[str, Any] | None = None,
+             loss_fn: LossFn | None = None, graph: g.Graph | None = None, device: str = "cpu",
+             repeat: int = 3) -> list[list[float]]:
     """Seconds of each forward op of the step (model and loss), one list per timed run.
     ``graph``: the captured Graph the ops must match (captured here when None)."""
     if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
         raise bad_arg("repeat", "an integer >= 1", repeat, "Use repeat=3 (the default).")
     dev = check_device(device)
-    target = as_target(w_or_model, inputs, loss_fn)
+    target = as_target(w_or_model, inputs, loss_fn, kwargs)
     if graph is None:
-        graph = capture(w_or_model, *inputs, loss_fn=loss_fn)
+        graph = capture(w_or_model, *inputs, kwargs=kwargs, loss_fn=loss_fn)
     expected = [op.target for op in graph.ops]
     model, real_inputs = _build(target, device)
     runs: list[list[float]] = []
@@ -74,7 +74,7 @@ def op_times(w_or_model: Any, *inputs: Any, loss_fn: LossFn | None = None,
         for i in range(repeat + 1):  # the first run warms up (allocator, kernels, caches)
             timer = _OpTimer(dev.type == "cuda")
             with timer:
-                loss = target.loss_fn(model(*real_inputs))
+                loss = target.loss_fn(model(*real_inputs, **target.kwargs))
             del loss
             _check(timer.targets, expected)
             if i:
@@ -82,21 +82,22 @@ def op_times(w_or_model: Any, *inputs: Any, loss_fn: LossFn | None = None,
     return runs
 
 
-def stage_times(w_or_model: Any, *inputs: Any, loss_fn: LossFn | None = None,
-                graph: g.Graph | None = None, device: str = "cpu", repeat: int = 3,
-                chain: C.Chain | None = None) -> list[float]:
+def stage_times(w_or_model: Any, *inputs: Any, kwargs: Mapping[str, Any] | None = None,
+                loss_fn: LossFn | None = None, graph: g.Graph | None = None,
+                device: str = "cpu", repeat: int = 3, chain: C.Chain | None = None
+                ) -> list[float]:
     """Forward seconds of each stage of ``chain`` (default: ``build_chain(graph)``, the chain
     ``optimal`` plans over), measured on ``device``: the median over ``repeat`` real forwards
     of the sum of the stage's op times. Pass them as ``stage_time_s`` to the planners."""
     if graph is None:
-        graph = capture(w_or_model, *inputs, loss_fn=loss_fn)
+        graph = capture(w_or_model, *inputs, kwargs=kwargs, loss_fn=loss_fn)
     if chain is None:
         chain = C.build_chain(graph)
     elif chain.fingerprint != graph.fingerprint:
         raise bad_arg("chain", "a chain of the given graph", chain.fingerprint,
                       "Build it with memplan.chain.build_chain(graph).")
-    runs = op_times(w_or_model, *inputs, loss_fn=loss_fn, graph=graph, device=device,
-                    repeat=repeat)
+    runs = op_times(w_or_model, *inputs, kwargs=kwargs, loss_fn=loss_fn, graph=graph,
+                    device=device, repeat=repeat)
     first, last = chain.first.tolist(), chain.last.tolist()
     per_run = [[sum(run[a : b + 1]) for a, b in zip(first, last)] for run in runs]
     return [statistics.median(col) for col in zip(*per_run)]
@@ -147,8 +148,10 @@ def _check(seen: list[str], expected: list[str]) -> None:
 
 
 def step_times(runs: Sequence[tuple[Any, tuple[Any, ...]]], loss: Callable[[Any], Any],
-               repeat: int, device: torch.device | str = "cpu") -> list[float]:
-    """Median seconds of one training step (forward, ``loss``, backward) per (model, inputs).
+               repeat: int, device: torch.device | str = "cpu",
+               kwargs: Mapping[str, Any] | None = None) -> list[float]:
+    """Median seconds of one training step (forward, ``loss``, backward) per (model, inputs),
+    ``kwargs`` (keyword inputs) the same for each.
     Rounds go over all models in turn (the first round warms up), so load from other
     processes hits them alike; CUDA steps are timed with events. Each step starts from None
     grads (as after ``optimizer.zero_grad()``), and the grads are dropped after it."""
@@ -158,7 +161,8 @@ def step_times(runs: Sequence[tuple[Any, tuple[Any, ...]]], loss: Callable[[Any]
         for k, (model, inputs) in enumerate(runs):
             for p in model.parameters():
                 p.grad = None
-            seconds = (_cuda_step_s if cuda else _cpu_step_s)(model, inputs, loss)
+            seconds = (_cuda_step_s if cuda else _cpu_step_s)(model, inputs, loss,
+                                                              dict(kwargs or {}))
             for p in model.parameters():
                 p.grad = None
             if i:
@@ -166,17 +170,19 @@ def step_times(runs: Sequence[tuple[Any, tuple[Any, ...]]], loss: Callable[[Any]
     return [float(statistics.median(t)) for t in times]
 
 
-def _cpu_step_s(model: Any, inputs: tuple[Any, ...], loss: Callable[[Any], Any]) -> float:
+def _cpu_step_s(model: Any, inputs: tuple[Any, ...], loss: Callable[[Any], Any],
+                kwargs: dict[str, Any]) -> float:
     t0 = time.perf_counter()
-    loss(model(*inputs)).backward()
+    loss(model(*inputs, **kwargs)).backward()
     return time.perf_counter() - t0
 
 
-def _cuda_step_s(model: Any, inputs: tuple[Any, ...], loss: Callable[[Any], Any]) -> float:
+def _cuda_step_s(model: Any, inputs: tuple[Any, ...], loss: Callable[[Any], Any],
+                 kwargs: dict[str, Any]) -> float:
     start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
     end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
     start.record()
-    loss(model(*inputs)).backward()
+    loss(model(*inputs, **kwargs)).backward()
     end.record()
     torch.cuda.synchronize()
     return float(start.elapsed_time(end)) / 1e3
