@@ -1,7 +1,8 @@
 """The zoo (issue 11): models that nobody here wrote, built the way their users build them.
 
 Each entry is a tiny random-init config (nothing downloaded), dropout on, with a builder
-``build(seed) -> (model, inputs, loss_fn)`` that is deterministic from the seed. A library's
+``build(seed) -> (model, inputs, loss_fn)`` that is deterministic from the seed (``inputs``: a
+tuple, or a dict of keyword inputs passed as ``kwargs=``, as ``model(**batch)`` takes them). A library's
 import lives inside its builders, so a missing library skips only its own entries.
 ``tests/zoo/check.py`` runs one entry plain and planned; ``benchmarks/zoo.py`` runs them all.
 """
@@ -9,12 +10,11 @@ import lives inside its builders, so a missing library skips only its own entrie
 from __future__ import annotations
 
 import importlib.util
-import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-Built = tuple[Any, tuple[Any, ...], Callable[[Any], Any]]
+Built = tuple[Any, tuple[Any, ...] | dict[str, Any], Callable[[Any], Any]]
 
 
 @dataclass(frozen=True)
@@ -23,14 +23,6 @@ class Entry:
     library: str  # the import name of the library the model comes from ("torch" for plain)
     build: Callable[[int], Built]
     slow: bool = False  # left out of the default test run (tests/test_zoo.py)
-
-
-def positional(model: Any, **kwargs: Any) -> tuple[Any, ...]:
-    """``model.forward``'s keyword arguments as the positional tuple memplan takes (the
-    parameters before the last one given get their defaults)."""
-    bound = inspect.signature(model.forward).bind_partial(**kwargs)
-    bound.apply_defaults()
-    return tuple(bound.args)
 
 
 def installed(library: str) -> bool:

@@ -104,17 +104,18 @@ def evaluate(build: Callable[[int], Any], row: Row, seed: int = 0,
         phase(name)
 
     at("build")
-    model, inputs, loss_fn = build(seed)
+    model, example, loss_fn = build(seed)
+    inputs, kwargs = ((), example) if isinstance(example, dict) else (example, {})
     pristine = copy.deepcopy(model)  # measured steps update BatchNorm statistics: copy first
     at("measure plain")
-    plain = memplan.measure(copy.deepcopy(pristine), *inputs, loss_fn=loss_fn, simulate=False,
-                            repeat=1)
+    plain = memplan.measure(copy.deepcopy(pristine), *inputs, kwargs=kwargs, loss_fn=loss_fn,
+                            simulate=False, repeat=1)
     row.plain_peak_bytes = plain.peak_bytes
     row.base_bytes = sum(plain.breakdown_at_peak.get(k, 0) for k in CONSTANT_KINDS)
     row.budget_bytes = row.base_bytes + (row.plain_peak_bytes - row.base_bytes) // 2
     at("capture")
     t = time.perf_counter()
-    graph = memplan.capture(copy.deepcopy(pristine), *inputs, loss_fn=loss_fn)
+    graph = memplan.capture(copy.deepcopy(pristine), *inputs, kwargs=kwargs, loss_fn=loss_fn)
     row.capture_s = time.perf_counter() - t
     at("plan")
     t = time.perf_counter()
@@ -139,20 +140,21 @@ def evaluate(build: Callable[[int], Any], row: Row, seed: int = 0,
     reference, planned = copy.deepcopy(pristine), copy.deepcopy(pristine)
     memplan.apply(planned, plan)
     at("step")
-    differ = compare(step(reference, inputs, loss_fn, seed), step(planned, inputs, loss_fn, seed))
+    differ = compare(step(reference, inputs, kwargs, loss_fn, seed),
+                     step(planned, inputs, kwargs, loss_fn, seed))
     at("measure planned")
-    row.planned_peak_bytes = memplan.measure(planned, *inputs, loss_fn=loss_fn, simulate=False,
-                                             repeat=1).peak_bytes
+    row.planned_peak_bytes = memplan.measure(planned, *inputs, kwargs=kwargs, loss_fn=loss_fn,
+                                             simulate=False, repeat=1).peak_bytes
     row.failure, row.detail = verdict(row, differ)
     row.status = "pass" if not row.failure else "fail"
 
 
-def step(model: torch.nn.Module, inputs: tuple[Any, ...], loss_fn: Callable[[Any], Any],
-         seed: int) -> dict[str, Any]:
+def step(model: torch.nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any],
+         loss_fn: Callable[[Any], Any], seed: int) -> dict[str, Any]:
     """One real training step from None grads; what must be bit-equal afterwards."""
     model.zero_grad(set_to_none=True)
     torch.manual_seed(seed)
-    loss = loss_fn(model(*inputs))
+    loss = loss_fn(model(*inputs, **kwargs))
     loss.backward()
     return {
         "loss": [loss.detach()],

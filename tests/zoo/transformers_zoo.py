@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from tests.zoo import Built, Entry, positional
+from tests.zoo import Built, Entry
 
 VOCAB = 128
 BATCH, SEQ, PAD = 4, 64, 16  # the last PAD positions of every other row are padding
@@ -49,8 +49,8 @@ def causal(model_cls: str, config_cls: str, **config: Any) -> Any:
         model = _build(model_cls, config_cls, seed, **config)
         ids, mask = text(seed + 1)
         labels = ids.masked_fill(mask == 0, -100)
-        return model, positional(model, input_ids=ids, attention_mask=mask,
-                                 labels=labels), model_loss
+        return model, {"input_ids": ids, "attention_mask": mask,
+                       "labels": labels}, model_loss
     return build
 
 
@@ -64,8 +64,8 @@ def masked_lm(model_cls: str, config_cls: str, **config: Any) -> Any:
         chosen = (torch.rand(BATCH, SEQ, generator=g) < 0.15) & (mask == 1)
         chosen[:, 1] = True
         labels = ids.masked_fill(~chosen, -100)
-        return model, positional(model, input_ids=ids.masked_fill(chosen, 3),
-                                 attention_mask=mask, labels=labels), model_loss
+        return model, {"input_ids": ids.masked_fill(chosen, 3),
+                       "attention_mask": mask, "labels": labels}, model_loss
     return build
 
 
@@ -76,8 +76,8 @@ def classifier(model_cls: str, config_cls: str, **config: Any) -> Any:
         model = _build(model_cls, config_cls, seed, num_labels=3, **config)
         ids, mask = text(seed + 1)
         labels = torch.randint(0, 3, (BATCH,), generator=torch.Generator().manual_seed(seed))
-        return model, positional(model, input_ids=ids, attention_mask=mask,
-                                 labels=labels), model_loss
+        return model, {"input_ids": ids, "attention_mask": mask,
+                       "labels": labels}, model_loss
     return build
 
 
@@ -89,8 +89,8 @@ def seq2seq(model_cls: str, config_cls: str, **config: Any) -> Any:
         ids, mask = text(seed + 1)
         target, target_mask = text(seed + 2)
         labels = target[:, : SEQ // 2].masked_fill(target_mask[:, : SEQ // 2] == 0, -100)
-        return model, positional(model, input_ids=ids, attention_mask=mask,
-                                 labels=labels), model_loss
+        return model, {"input_ids": ids, "attention_mask": mask,
+                       "labels": labels}, model_loss
     return build
 
 
@@ -105,7 +105,7 @@ def whisper(seed: int) -> Built:
     g = torch.Generator().manual_seed(seed + 1)
     features = torch.randn(BATCH, 16, 64, generator=g)
     labels = torch.randint(3, VOCAB, (BATCH, 24), generator=g)
-    return model, positional(model, input_features=features, labels=labels), model_loss
+    return model, {"input_features": features, "labels": labels}, model_loss
 
 
 def image(model_cls: str, config_cls: str, size: int = 32, **config: Any) -> Any:
@@ -116,7 +116,7 @@ def image(model_cls: str, config_cls: str, size: int = 32, **config: Any) -> Any
         g = torch.Generator().manual_seed(seed + 1)
         pixels = torch.randn(BATCH, 3, size, size, generator=g)
         labels = torch.randint(0, 10, (BATCH,), generator=g)
-        return model, positional(model, pixel_values=pixels, labels=labels), model_loss
+        return model, {"pixel_values": pixels, "labels": labels}, model_loss
     return build
 
 

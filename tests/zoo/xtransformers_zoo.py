@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from tests.zoo import Built, Entry, positional
+from tests.zoo import Built, Entry
 
 TOKENS, SEQ, BATCH, DIM, DROP = 128, 64, 4, 32, 0.1
 LAYERS = {"dim": DIM, "depth": 4, "heads": 2, "attn_dropout": DROP, "ff_dropout": DROP}
@@ -57,7 +57,7 @@ def encoder(seed: int) -> Built:
     def loss_fn(logits: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.transpose(1, 2), labels, ignore_index=-100)
 
-    return model, positional(model, x=_tokens(seed + 1), mask=mask), loss_fn
+    return model, {"x": _tokens(seed + 1), "mask": mask}, loss_fn
 
 
 def encoder_decoder(seed: int) -> Built:
