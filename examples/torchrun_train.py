@@ -3,6 +3,7 @@ for its own memory.
 
     torchrun --nproc_per_node 2 examples/torchrun_train.py --wrap ddp      # CPU, gloo
     torchrun --nproc_per_node 2 examples/torchrun_train.py --wrap fsdp
+    torchrun --nproc_per_node 2 examples/torchrun_train.py --wrap fsdp --model llama  # HF
     torchrun --nproc_per_node 8 examples/torchrun_train.py --wrap fsdp --device cuda  # NCCL
 
 * DDP: plan on the local batch with ``memplan.distributed.plan_ddp`` (the rank's budget less
@@ -10,6 +11,8 @@ for its own memory.
 * FSDP2: plan per FSDP unit with ``memplan.distributed.plan_units`` (parameters and gradients
   counted as sharded, plus FSDP's transient unsharded copies), ``apply_units``, then
   ``fully_shard`` each unit and the root. A plan applied around FSDP units is refused.
+  ``--model llama``: a Hugging Face Llama, its batch passed by keyword (``kwargs=``), its
+  decoder layers the units (called with the mask and rotary tables by keyword), no KV cache.
 
 Every rank plans by itself; planning is deterministic, so all ranks choose the same plan: the
 script all-gathers the plans' fingerprints and stops if they differ. It then trains a few
@@ -55,9 +58,48 @@ def wrap(model: torch.nn.Module, how: str, units: list[str], device: torch.devic
     return model
 
 
+class Batch:
+    """The example inputs, positional or by keyword, of memplan's GPT or a HF Llama."""
+
+    def __init__(self, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+                 ) -> None:
+        self.args, self.kwargs = args, kwargs or {}
+
+    def shard(self, part: slice) -> Batch:
+        def cut(t: Any) -> Any:
+            return t[part] if isinstance(t, torch.Tensor) else t
+        return Batch(tuple(cut(t) for t in self.args),
+                     {k: cut(v) for k, v in self.kwargs.items()})
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (*self.args, *self.kwargs.values()) if isinstance(t, torch.Tensor)]
+
+    def __call__(self, model: torch.nn.Module) -> Any:
+        return model(*self.args, **self.kwargs)
+
+
+def build(kind: str, layers: int, d_model: int, batch: int, dropout: float
+          ) -> tuple[torch.nn.Module, Batch, Any, str]:
+    """(model, the global batch, loss, the class name of its FSDP units)."""
+    if kind == "gpt":
+        w = memplan.models.get("gpt", layers=layers, d_model=d_model, heads=2, seq_len=16,
+                               vocab=100, batch=batch, dropout=dropout)
+        return w.build_model(), Batch(tuple(w.build_inputs())), w.loss, "Block"
+    from hf_models import batch as hf_batch
+    from hf_models import build as hf_build
+    from hf_models import hf_loss
+
+    model = hf_build("llama", "sdpa", layers=layers, hidden=d_model)
+    data = {**hf_batch("llama", size=batch, seq=16), "use_cache": False}
+    data["attention_mask"] = torch.ones_like(data["input_ids"])
+    data["attention_mask"][0, 12:] = 0  # padding
+    return model, Batch(kwargs=data), hf_loss, "LlamaDecoderLayer"
+
+
 def main() -> None:
     p = parser(__doc__)
     p.add_argument("--wrap", choices=["ddp", "fsdp"], default="ddp")
+    p.add_argument("--model", choices=["gpt", "llama"], default="gpt")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--d-model", type=int, default=32)
@@ -77,25 +119,23 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
 
-    w = memplan.models.get("gpt", layers=args.layers, d_model=args.d_model, heads=2,
-                           seq_len=16, vocab=100, batch=args.batch * world,
-                           dropout=args.dropout)
-    with device:
-        model = w.build_model()  # seeded: the same weights on every rank
-        full = w.build_inputs()  # the global batch; each rank trains on its shard
+    with device:  # seeded: the same weights on every rank; the global batch
+        model, full, loss_fn, unit_class = build(args.model, args.layers, args.d_model,
+                                                 args.batch * world, args.dropout)
     shard = [slice(r * args.batch, (r + 1) * args.batch) for r in range(world)]
-    local = tuple(t[shard[rank]] for t in full)
+    local = full.shard(shard[rank])  # each rank trains on its shard
     reference = copy.deepcopy(model)
     plain = copy.deepcopy(model)
-    units = [n for n, m in model.named_modules() if type(m).__name__ == "Block"]
+    units = [n for n, m in model.named_modules() if type(m).__name__ == unit_class]
 
     # --- the recipe --------------------------------------------------------------------------
     if args.wrap == "ddp":
         budget: object = args.budget
         if budget == "auto":
-            least = memplan.plan(model, *local, loss_fn=w.loss)
+            least = memplan.plan(model, *local.args, kwargs=local.kwargs, loss_fn=loss_fn)
             budget = md.bucket_bytes(model) + (least.peak_bytes + least.plain_peak_bytes) // 2
-        plan = md.plan_ddp(model, *local, loss_fn=w.loss, budget=budget)
+        plan = md.plan_ddp(model, *local.args, kwargs=local.kwargs, loss_fn=loss_fn,
+                           budget=budget)
         predicted = plan.peak_bytes + md.bucket_bytes(model)
         memplan.apply(model, plan)
         budget_bytes = int(plan.budget_bytes or 0) + md.bucket_bytes(model)
@@ -104,13 +144,14 @@ def main() -> None:
     else:
         budget = args.budget
         if budget == "auto":
-            lo = md.plan_units(model, units, *local, loss_fn=w.loss, world_size=world)
-            hi = md.plan_units(model, units, *local, loss_fn=w.loss, world_size=world,
-                               budget=1 << 40)
+            lo = md.plan_units(model, units, *local.args, kwargs=local.kwargs,
+                               loss_fn=loss_fn, world_size=world)
+            hi = md.plan_units(model, units, *local.args, kwargs=local.kwargs,
+                               loss_fn=loss_fn, world_size=world, budget=1 << 40)
             budget = (3 * lo.peak_bytes + hi.peak_bytes) // 4
             print("rank prediction: least", lo.peak_bytes, "plain", hi.peak_bytes)
-        uplans = md.plan_units(model, units, *local, loss_fn=w.loss, budget=budget,
-                               world_size=world)
+        uplans = md.plan_units(model, units, *local.args, kwargs=local.kwargs,
+                               loss_fn=loss_fn, budget=budget, world_size=world)
         md.apply_units(model, uplans)
         predicted, budget_bytes = uplans.peak_bytes, int(uplans.budget_bytes or 0)
         print_plan = f"unit budget fraction {uplans.fraction}, predicted rank peak {predicted}"
@@ -130,7 +171,7 @@ def main() -> None:
     def step(m: torch.nn.Module, o: torch.optim.Optimizer | None, seed: int) -> None:
         m.zero_grad(set_to_none=True)
         torch.manual_seed(seed)
-        w.loss(m(*local)).backward()
+        loss_fn(local(m)).backward()
         if o is not None:
             o.step()
 
@@ -140,7 +181,7 @@ def main() -> None:
         for r in range(world):
             reference.zero_grad(set_to_none=True)
             torch.manual_seed(SEED + 1000 * n + r)
-            w.loss(reference(*(t[shard[r]] for t in full))).backward()
+            loss_fn(full.shard(shard[r])(reference)).backward()
             for i, g in enumerate(grads(reference)):
                 if g is not None:
                     acc[i] = g / world if acc[i] is None else acc[i] + g / world  # type: ignore[operator]
@@ -159,7 +200,7 @@ def main() -> None:
         if n == 0 and args.dropout == 0:  # no dropout: the full batch in one process too
             single = copy.deepcopy(reference)
             single.zero_grad(set_to_none=True)
-            w.loss(single(*full)).backward()
+            loss_fn(full(single)).backward()
             fullbatch = compare(got, grads(single))
         opt.step()
         ref_opt.step()
@@ -172,7 +213,7 @@ def main() -> None:
         """The per-rank peak of one more step, what lives across steps counted up front."""
         m.zero_grad(set_to_none=True)
         tracker = md.RankTracker()
-        tracker.track(list(m.parameters()), list(m.buffers()), local,
+        tracker.track(list(m.parameters()), list(m.buffers()), local.tensors(),
                       [s for st in o.state.values() for s in st.values()])
         if cuda:
             torch.cuda.synchronize()
@@ -181,7 +222,7 @@ def main() -> None:
         tracker.reset_peak()
         with tracker:
             torch.manual_seed(SEED + rank)
-            w.loss(m(*local)).backward()
+            loss_fn(local(m)).backward()
         if cuda:
             torch.cuda.synchronize()
             return tracker.peak_bytes, torch.cuda.max_memory_allocated() - base
@@ -206,7 +247,7 @@ def main() -> None:
     dist.all_gather_object(rows, row)
     if rank == 0:
         print(print_plan)
-        emit({"recipe": "torchrun", "wrap": args.wrap, "world_size": world,
+        emit({"recipe": "torchrun", "wrap": args.wrap, "model": args.model, "world_size": world,
               "device": args.device, "ranks": rows}, args.json)
     dist.barrier()  # every rank done with its collectives before the group goes
     dist.destroy_process_group()

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from memplan.api import plan as make_plan
 from memplan.core.budget import budget_too_small, parse_budget
@@ -43,6 +43,7 @@ from memplan.runtime.apply import apply, unapply
 from memplan.tracing.capture import capture
 from memplan.tracing.fake import fake_forward
 from memplan.tracing.measure import measure
+from memplan.tracing.step import input_specs, kwarg_specs
 
 FSDP_UNIT_COPIES = 5  # unit run + prefetched + all-gather buffer + unsharded grads + RS input
 
@@ -145,25 +146,27 @@ def _unit_loss(out: Any) -> torch.Tensor:
     return total
 
 
+Example = tuple[tuple[Any, ...], dict[str, Any]]  # a call's positional and keyword inputs
+
+
 def unit_inputs(model: nn.Module, units: Sequence[str], *inputs: Any,
-                kwargs: Mapping[str, Any] | None = None) -> dict[str, tuple[Any, ...]]:
-    """Example inputs of each unit's (first) call in one training forward of ``model``, run on
-    fake tensors (no memory, parameters untouched), returned as zero tensors of the same
-    shapes, dtypes and requires_grad (non-tensor arguments as they were)."""
-    seen: dict[str, tuple[Any, ...]] = {}
+                kwargs: Mapping[str, Any] | None = None) -> dict[str, Example]:
+    """Example inputs, positional and keyword, of each unit's (first) call in one training
+    forward of ``model`` (``kwargs``: its keyword inputs), run on fake tensors (no memory,
+    parameters untouched), returned with zero tensors of the same shapes, dtypes and
+    requires_grad (in tuples, lists and dicts too; other values as they were). A Hugging Face
+    decoder layer gets its mask and rotary tables by keyword."""
+    seen: dict[str, Example] = {}
+
+    def zeros(a: Any) -> Any:
+        if isinstance(a, torch.Tensor):
+            return torch.zeros(a.shape, dtype=a.dtype).requires_grad_(a.requires_grad)
+        return a
 
     def pre_hook(path: str) -> Callable[..., None]:
-        def hook(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            if kwargs:
-                raise ConfigError(
-                    f"plan_units: unit '{path}' is called with keyword arguments "
-                    f"({', '.join(kwargs)}); memplan plans a unit from positional example "
-                    "inputs. Choose units called positionally (e.g. transformer blocks)."
-                )
+        def hook(mod: nn.Module, args: tuple[Any, ...], kw: dict[str, Any]) -> None:
             if path not in seen:
-                seen[path] = tuple(
-                    torch.zeros(a.shape, dtype=a.dtype).requires_grad_(a.requires_grad)
-                    if isinstance(a, torch.Tensor) else a for a in args)
+                seen[path] = tree_map(zeros, (tuple(args), dict(kw)))
         return hook
 
     for path in units:
@@ -179,6 +182,33 @@ def unit_inputs(model: nn.Module, units: Sequence[str], *inputs: Any,
     if missing:
         raise ConfigError(f"plan_units: units {missing} were not called by the forward.")
     return seen
+
+
+def _check_rebuildable(path: str, example: Example) -> None:
+    """A unit's plan is checked on inputs rebuilt from its specs (``apply_units``): tensors,
+    plain values and lists, tuples and dicts of those. An object passed along the units (a
+    Hugging Face KV cache) is none of these, and changes as each unit runs: a capture of the
+    unit alone would not see the call the model makes."""
+    specs = {f"input {i}": s for i, s in enumerate(input_specs(example[0]))}
+    specs.update(kwarg_specs(example[1]))
+    for name, spec in specs.items():
+        odd = _opaque(spec)
+        if odd is not None:
+            raise ConfigError(
+                f"plan_units: unit '{path}' is called with {name} holding a {odd}, which "
+                "memplan cannot rebuild to plan the unit alone. For Hugging Face models, "
+                "train with use_cache=False (no KV cache: pass it in kwargs= or set "
+                "model.config.use_cache = False); otherwise choose units whose inputs are "
+                "tensors and plain values.")
+
+
+def _opaque(spec: dict[str, Any]) -> str | None:
+    """The type name of the first value in ``spec`` (``tracing.step.input_specs``) that is
+    recorded by its type only; None: every value can be rebuilt."""
+    if "type" in spec:
+        return str(spec["type"])
+    inner = spec.get("list") or spec.get("tuple") or list((spec.get("dict") or {}).values())
+    return next((t for t in map(_opaque, inner) if t is not None), None)
 
 
 FRACTIONS = (0.9, 0.75, 0.6, 0.5, 0.4, 0.3, 0.2)
@@ -202,8 +232,10 @@ def plan_units(model: nn.Module, units: Sequence[str], *inputs: Any,
     paths = _check_units(units)
     total = None if budget is None else parse_budget(budget)
     examples = unit_inputs(model, paths, *inputs, kwargs=kwargs)
-    graphs = {p: capture(model.get_submodule(p), *examples[p], loss_fn=_unit_loss)
-              for p in paths}
+    for p in paths:
+        _check_rebuildable(p, examples[p])
+    graphs = {p: capture(model.get_submodule(p), *examples[p][0], kwargs=examples[p][1],
+                         loss_fn=_unit_loss) for p in paths}
 
     def predict(plans: dict[str, Plan]) -> RankBudget:
         return rank_budget(model, paths, plans, inputs, loss_fn, world_size, kwargs)

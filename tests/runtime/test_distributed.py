@@ -50,3 +50,13 @@ def test_fsdp2_two_ranks(tmp_path: Path) -> None:
     # step, ~24% above the measured plain rank peak at batch 2, where its 'auto' budget then
     # lands above that plain peak.
     _check_ranks(_torchrun("fsdp", tmp_path, "--batch", "8"))
+
+
+def test_fsdp2_two_ranks_hugging_face_llama(tmp_path: Path) -> None:
+    """A Hugging Face Llama under FSDP2: its batch by keyword, its decoder layers (called with
+    the mask and rotary tables by keyword) the units."""
+    pytest.importorskip("torch.distributed.fsdp")
+    pytest.importorskip("transformers")
+    r = _torchrun("fsdp", tmp_path, "--model", "llama", "--batch", "8")
+    assert r["model"] == "llama"
+    _check_ranks(r)

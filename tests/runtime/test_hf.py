@@ -120,3 +120,30 @@ def test_hf_masked_plans_keep_their_peak(kind: str) -> None:
         real = memplan.measure(model, kwargs=data, loss_fn=hf_loss, simulate=False,
                                repeat=1).peak_bytes
     assert real == plan.peak_bytes <= plan.budget_bytes < graph.peak_bytes
+
+
+def test_hf_decoder_layers_called_with_keywords_are_planned_as_units() -> None:
+    """``plan_units`` (FSDP2) over a Llama's decoder layers, which the model calls with the
+    mask, rotary tables and position ids by keyword: each unit captured on those, planned,
+    applied; the step stays bit-equal. With the KV cache on (a state object passed along the
+    layers), the refusal says what to do."""
+    import memplan.distributed as md
+
+    model = build("llama", "sdpa", layers=4, hidden=64)
+    data = {**batch("llama", size=4, seq=32), "use_cache": False}
+    data["attention_mask"] = torch.ones_like(data["input_ids"])
+    data["attention_mask"][1, 20:] = 0
+    units = [f"model.layers.{i}" for i in range(4)]
+    plain = copy.deepcopy(model)
+    plans = md.plan_units(model, units, kwargs=data, loss_fn=hf_loss)
+    for path in units:
+        plan = plans.plans[path]
+        assert plan.forward is not None and "position_embeddings" in plan.forward.kwargs
+        assert any(s.mode != "keep" for s in plan.stages)
+    md.apply_units(model, plans)
+    for seed in (0, 1):
+        assert all(torch.equal(a, b) for a, b in zip(_step(plain, data, seed),
+                                                     _step(model, data, seed)))
+    with pytest.raises(memplan.ConfigError, match=r"unit 'model.layers.0' is called with "
+                       r"cache holding a DynamicCache.* use_cache=False"):
+        md.plan_units(plain, units, kwargs={**data, "use_cache": True}, loss_fn=hf_loss)
