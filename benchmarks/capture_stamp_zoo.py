@@ -14,7 +14,7 @@ from dataclasses import fields
 from typing import Any
 
 import torch
-from tests.zoo import ZOO, installed
+from tests.zoo import ZOO, installed, split
 
 from memplan.core.graph import Graph
 from memplan.tracing import capture, stamp
@@ -50,9 +50,11 @@ def main() -> None:
         steps.clear()
         graphs, cpu = [], []
         for fast in (True, False):
-            model, inputs, loss = entry.build(0)
+            model, example, loss = entry.build(0)
+            inputs, kwargs = split(example)
             start = time.process_time()
-            graphs.append(capture.capture_target(as_target(model, inputs, loss), fast=fast))
+            graphs.append(capture.capture_target(as_target(model, inputs, loss, kwargs),
+                                                 fast=fast))
             cpu.append(time.process_time() - start)
         diff = [f.name for f in fields(Graph)
                 if getattr(graphs[0], f.name) != getattr(graphs[1], f.name)]

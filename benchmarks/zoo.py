@@ -110,7 +110,7 @@ def over_prediction(rows: list[Row]) -> list[float]:
 def llama_figures() -> None:
     """Issue 11's must-show: an 8-layer HF Llama (hidden 512, seq 512, batch 2)."""
     import torch
-    from tests.zoo.transformers_zoo import GQA, _build, model_loss, positional
+    from tests.zoo.transformers_zoo import GQA, _build, model_loss
 
     import memplan
 
@@ -123,10 +123,9 @@ def llama_figures() -> None:
     mask = torch.ones(2, 512, dtype=torch.long)
     mask[1, 384:] = 0  # the second sequence padded
     for masked in (False, True):
-        kwargs = {"attention_mask": mask} if masked else {}
-        inputs = positional(model, input_ids=ids, labels=ids, **kwargs)
+        batch = {"input_ids": ids, "labels": ids, **({"attention_mask": mask} if masked else {})}
         t = time.perf_counter()
-        graph = memplan.capture(model, *inputs, loss_fn=model_loss)
+        graph = memplan.capture(model, kwargs=batch, loss_fn=model_loss)
         print(f"8-layer Llama, hidden 512, seq 512, batch 2, attention_mask "
               f"{'with padding' if masked else 'none'}: capture {time.perf_counter() - t:.1f} s,"
               f" {len(graph.ops)} ops, {len(graph.cut_points)} cut points")

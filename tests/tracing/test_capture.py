@@ -13,9 +13,17 @@ from tests.builders import StackedCellLoop, cell_loop_inputs
 from tests.small import small
 
 
+def _wrapped_number(t: torch.Tensor) -> bool:
+    """A Python scalar autograd wrapped (``x * 0.5`` saves 0.5, ``x / 4`` saves 4): a 0-dim
+    tensor of Python's float, int or complex dtype. The small models make no such tensors of
+    their own."""
+    return t.dim() == 0 and t.dtype in (torch.float64, torch.int64, torch.complex128)
+
+
 def _autograd_saved_bytes(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn) -> int:
     """What autograd really saves, read off the autograd graph's ``_saved_*`` attributes of a
-    real (not fake) forward: independent of memplan's saved-tensor hooks."""
+    real (not fake) forward: independent of memplan's saved-tensor hooks. Wrapped Python
+    scalars are host scalars no tracker counts (memplan tracks them at 0 bytes)."""
     exclude = {p.untyped_storage().data_ptr() for p in model.parameters()}
     exclude |= {b.untyped_storage().data_ptr() for b in model.buffers()}
     loss = loss_fn(model(*inputs))
@@ -30,7 +38,8 @@ def _autograd_saved_bytes(model: nn.Module, inputs: tuple[torch.Tensor, ...], lo
             if attr.startswith("_saved_"):
                 val = getattr(node, attr)
                 for t in val if isinstance(val, (tuple, list)) else [val]:
-                    if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes():
+                    if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() \
+                            and not _wrapped_number(t):
                         ptr = t.untyped_storage().data_ptr()
                         if ptr not in exclude:
                             seen[ptr] = t.untyped_storage().nbytes()

@@ -27,6 +27,29 @@ def test_capture_peak_matches_measure() -> None:
     assert max(graph.live_bytes_timeline()) == memplan.measure(w).peak_bytes
 
 
+class TanhGelu(nn.Module):
+    """GPT-2's gelu_new: products with Python floats, whose backward saves the float as a
+    0-dim tensor autograd made (a wrapped number), not memory of the step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        return 0.5 * h * (1.0 + torch.tanh(0.7978845608 * (h + 0.044715 * torch.pow(h, 3.0))))
+
+
+def test_scalars_autograd_wraps_are_not_counted_by_capture_either() -> None:
+    model, x = TanhGelu(), torch.randn(32, 64)
+    graph = memplan.capture(model, x)
+    scalars = [v for v in graph.values if v.kind == "external" and v.shape == ()]
+    assert len(scalars) >= 3 and all(v.nbytes == 0 for v in scalars)  # tracked, saved
+    assert any(v.id in op.saved for op in graph.ops for v in scalars)
+    real = memplan.measure(model, x, simulate=False, repeat=1).peak_bytes
+    assert graph.peak_bytes == memplan.measure(model, x).peak_bytes == real
+
+
 def test_peak_counts_parameters_gradients_and_activations_by_hand() -> None:
     # y = relu(x @ W^T): every byte is predictable.
     model = nn.Linear(256, 256, bias=False)

@@ -19,7 +19,7 @@ from memplan.tracing import capture, chain_links, stamp
 from memplan.tracing.capture import capture_target
 from memplan.tracing.step import Target, as_target
 from tests.small import small
-from tests.zoo import ZOO, installed
+from tests.zoo import ZOO, installed, split
 
 
 class ConvUnit(nn.Module):
@@ -329,8 +329,9 @@ def _zoo(name: str) -> Callable[[], Target]:
         entry = ZOO[name]
         if not installed(entry.library):
             pytest.skip(f"{entry.library} is not installed")
-        model, inputs, loss = entry.build(0)
-        return as_target(model, inputs, loss)
+        model, example, loss = entry.build(0)
+        inputs, kwargs = split(example)
+        return as_target(model, inputs, loss, kwargs)
     return make
 
 

@@ -25,6 +25,11 @@ class Entry:
     slow: bool = False  # left out of the default test run (tests/test_zoo.py)
 
 
+def split(example: tuple[Any, ...] | dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """A built entry's inputs as (positional, keyword)."""
+    return ((), dict(example)) if isinstance(example, dict) else (tuple(example), {})
+
+
 def installed(library: str) -> bool:
     return importlib.util.find_spec(library) is not None
 

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 import memplan
+from tests.zoo import split
 
 PHASE = "zoo-phase "
 RESULT = "zoo-result "
@@ -105,7 +106,7 @@ def evaluate(build: Callable[[int], Any], row: Row, seed: int = 0,
 
     at("build")
     model, example, loss_fn = build(seed)
-    inputs, kwargs = ((), example) if isinstance(example, dict) else (example, {})
+    inputs, kwargs = split(example)
     pristine = copy.deepcopy(model)  # measured steps update BatchNorm statistics: copy first
     at("measure plain")
     plain = memplan.measure(copy.deepcopy(pristine), *inputs, kwargs=kwargs, loss_fn=loss_fn,

@@ -36,7 +36,8 @@ class AutogradNodes:
 
     if TYPE_CHECKING:  # StepTracer's own methods
         def _lookup(self, t: torch.Tensor) -> int | None: ...
-        def register(self, t: torch.Tensor, kind: str, producer: int = -1) -> int: ...
+        def register(self, t: torch.Tensor, kind: str, producer: int = -1,
+                     counted: bool = True) -> int: ...
         def paused(self) -> AbstractContextManager[None]: ...
 
     def _collect_saved(self, node: Any, index: int) -> None:
@@ -67,8 +68,10 @@ class AutogradNodes:
             for t in self._saved_tensors(node, name):
                 vid = self._lookup(t)
                 if vid is None:
-                    # A tensor no op made: a Python scalar autograd wrapped (x / 2.0).
-                    vid = self.register(t, g.EXTERNAL)
+                    # A tensor no op made: a Python scalar autograd wrapped (x / 2.0). A
+                    # host scalar, which neither the step's tracker (measure) nor the CUDA
+                    # allocator sees: tracked, at 0 bytes.
+                    vid = self.register(t, g.EXTERNAL, counted=False)
                 if self.values[vid].kind in (g.PARAMETER, g.BUFFER):
                     continue
                 if vid not in saved:

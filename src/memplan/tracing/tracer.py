@@ -122,17 +122,20 @@ class StepTracer(AutogradNodes, TorchDispatchMode):  # type: ignore[no-untyped-c
     def _lookup(self, t: torch.Tensor) -> int | None:
         return self._by_storage.get(t.untyped_storage()._cdata)
 
-    def register(self, t: torch.Tensor, kind: str, producer: int = -1) -> int:
-        """Start tracking ``t``'s storage (no-op if tracked); returns its value id."""
+    def register(self, t: torch.Tensor, kind: str, producer: int = -1,
+                 counted: bool = True) -> int:
+        """Start tracking ``t``'s storage (no-op if tracked); returns its value id.
+        ``counted=False``: tracked at 0 bytes."""
         storage = t.untyped_storage()
         vid = self._by_storage.get(storage._cdata)
-        return self._add(t, storage, kind, producer) if vid is None else vid
+        return self._add(t, storage, kind, producer, counted) if vid is None else vid
 
-    def _add(self, t: torch.Tensor, storage: Any, kind: str, producer: int) -> int:
+    def _add(self, t: torch.Tensor, storage: Any, kind: str, producer: int,
+             counted: bool = True) -> int:
         """Track ``storage`` (``t``'s, not tracked yet) as a new value."""
         key = storage._cdata
         vid = len(self.values)
-        nbytes = int(storage.nbytes())
+        nbytes = int(storage.nbytes()) if counted else 0
         birth = -1 if kind in _PRE_EXISTING else self.event
         dtype = t.dtype
         name = _DTYPE_NAMES.get(dtype)
