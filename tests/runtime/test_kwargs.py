@@ -18,7 +18,8 @@ import memplan
 from memplan.analysis.verify import verify
 from memplan.cli import main
 from memplan.core.graph import INPUT
-from memplan.errors import CaptureError, ConfigError
+from memplan.errors import CaptureError, ConfigError, PlanMismatch
+from memplan.runtime.apply import applied_state
 from tests.factories import KeywordInputs, keyword_batch, make_keywords
 
 
@@ -167,3 +168,12 @@ def test_factory_dict_inputs_resolve_to_keyword_inputs() -> None:
     assert isinstance(model, KeywordInputs) and inputs == ()
     assert kwargs is not None and sorted(kwargs) == ["mask", "scale", "x"]
     assert make_keywords()[1].keys() == kwargs.keys()
+
+
+def test_apply_names_the_plans_keyword_inputs_left_out() -> None:
+    model, batch = _model()
+    plan = memplan.plan(model, kwargs=batch, loss_fn=_loss, budget=0.8)
+    with pytest.raises(PlanMismatch, match=r"keyword inputs \['mask'\] that were not "
+                       r"given: pass them with kwargs="):
+        memplan.apply(model, plan, kwargs={"x": batch["x"], "scale": 0.5})  # the mask left out
+    assert applied_state(model) is None  # untouched

@@ -400,6 +400,11 @@ def _check(model: nn.Module, plan: Plan, forward: ForwardSpec, inputs: tuple[Any
                  "routing, a loop over the tokens each expert got), pass the example inputs "
                  "the plan was made with: memplan.apply(model, plan, inputs=(...)"
                  + (", kwargs={...})." if forward.kwargs else ")."))
+        given = set(kwargs or {}) if inputs is not None else set(forward.kwargs)
+        missing = [k for k in forward.kwargs if k not in given]
+        if missing:  # inputs= given, the plan's keyword inputs left out
+            zeros += (f" The plan was made with keyword inputs {missing} that were not given: "
+                      "pass them with kwargs={...}.")
         raise PlanMismatch(f"{mismatch}; this model's has {len(fake.targets)} ops, fingerprint "
                            f"{got_fp}). {fix}{zeros}")
     return fake
