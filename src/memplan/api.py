@@ -86,9 +86,8 @@ def plan(w_or_model: Any, *inputs: Any, kwargs: Mapping[str, Any] | None = None,
     if objective == "time":
         if stage_time_s is None:
             stage_time_s = stage_times(w_or_model, *inputs, kwargs=kwargs, loss_fn=loss_fn,
-                                       graph=graph,
-                                       device=device or "cpu", chain=_planner_chain(
-                                           planner, graph, chain, params))
+                                       graph=graph, device=device or "cpu",
+                                       chain=_planner_chain(planner, graph, chain, params))
         params["stage_time_s"] = stage_time_s
     # Held to its peak as the runtime runs it (core.fit), re-planned or refused if over.
     result = fit(graph, planner, budget_bytes, params, chain)

@@ -37,6 +37,8 @@ from memplan.tracing.fake import DTYPES
 from memplan.tracing.step import check_kwargs
 
 _ATTR = "_memplan_applied"
+# Inputs as (label, (shape, dtype) of a tensor or None), labelled by position or keyword.
+Spec = tuple[tuple[str, Any], ...]
 
 
 @dataclass
@@ -296,10 +298,6 @@ def _as_plan(plan: Plan | str | os.PathLike[str] | dict[str, Any]) -> Plan:
 
 
 # --- inputs ------------------------------------------------------------------------------------
-
-
-# A tensor input as (shape, dtype), None for others; labelled by position or keyword.
-Spec = tuple[tuple[str, Any], ...]
 
 
 def _spec_text(spec: Spec) -> str:
