@@ -92,7 +92,9 @@ def build(kind: str, layers: int, d_model: int, batch: int, dropout: float
     model = hf_build("llama", "sdpa", layers=layers, hidden=d_model)
     data = {**hf_batch("llama", size=batch, seq=16), "use_cache": False}
     data["attention_mask"] = torch.ones_like(data["input_ids"])
-    data["attention_mask"][0, 12:] = 0  # padding
+    # Padding in every other row, so in every rank's shard: an all-ones mask takes another
+    # path (HF skips building the mask), and the ranks would plan apart.
+    data["attention_mask"][::2, 12:] = 0
     return model, Batch(kwargs=data), hf_loss, "LlamaDecoderLayer"
 
 

@@ -41,7 +41,8 @@ from memplan.core.plan import Plan
 from memplan.errors import BudgetTooSmall, ConfigError, bad_arg
 from memplan.runtime.apply import apply, unapply
 from memplan.tracing.capture import capture
-from memplan.tracing.fake import fake_forward
+from memplan.tracing.datadep import Answering, Oracle, run_with_oracle
+from memplan.tracing.fake import fake_forward, real_forward
 from memplan.tracing.measure import measure
 from memplan.tracing.step import input_specs, kwarg_specs
 
@@ -173,8 +174,12 @@ def unit_inputs(model: nn.Module, units: Sequence[str], *inputs: Any,
         model.get_submodule(path)  # a wrong path fails here, by name
     hooks = [model.get_submodule(p).register_forward_pre_hook(pre_hook(p), with_kwargs=True)
              for p in units]
+    def attempt(oracle: Oracle) -> None:  # data-dependent values from one real forward
+        seen.clear()
+        fake_forward(model, inputs, kwargs=kwargs, within=[Answering(oracle)])
+
     try:
-        fake_forward(model, inputs, kwargs=kwargs)
+        run_with_oracle(attempt, lambda: real_forward(model, inputs, kwargs=kwargs))
     finally:
         for h in hooks:
             h.remove()

@@ -46,9 +46,15 @@ def valid_plans() -> tuple[dict[str, Any], ...]:
         forward = graph.forward
         if planner == "sqrt":  # data-dependent ops' assumptions; inputs by keyword
             mask = {"shape": [2, 8], "dtype": "int64", "requires_grad": False}
+            answers = {"aten.nonzero.default[torch.bool]": [
+                {"in": [[2, 8]], "tree": "one",
+                 "out": [{"shape": [5, 2], "stride": [2, 1], "dtype": "int64", "device": "cpu"}]}],
+                "aten._local_scalar_dense.default[torch.bool]": [
+                    {"in": [[]], "tree": "one", "out": [{"value": True}]}]}
             forward = dataclasses.replace(forward, assumptions=("sizes of the example batch",),
                                           kwargs={"attention_mask": mask,
-                                                  "extra": {"dict": {"scale": {"value": 0.5}}}})
+                                                  "extra": {"dict": {"scale": {"value": 0.5}}}},
+                                          answers=answers)
         plan = dataclasses.replace(plan, forward=forward, predicted_time_s=0.25)
         out.append(json.loads(plan.to_json()))
     return tuple(out)
@@ -80,6 +86,13 @@ def invariants(plan: Plan) -> None:
     assert plan.forward is None or all(isinstance(a, str) for a in plan.forward.assumptions)
     assert plan.forward is None or all(isinstance(k, str) and k and isinstance(v, dict)
                                        for k, v in plan.forward.kwargs.items())
+    for records in (plan.forward.answers if plan.forward else {}).values():
+        for rec in records:
+            assert rec["tree"] in ("one", "tuple", "list") and isinstance(rec["out"], list)
+            assert rec["tree"] != "one" or len(rec["out"]) == 1
+            for leaf in rec["out"]:
+                assert ("value" in leaf and not isinstance(leaf["value"], str)) or (
+                    len(leaf["shape"]) == len(leaf["stride"]) and leaf["dtype"] in DTYPE_NAMES)
 
     class Stages:  # what schedule.validate reads of a chain
         pass

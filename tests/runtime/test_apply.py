@@ -4,6 +4,7 @@ executions per op equal to the plan's mirror counts; measured peak equal to the 
 from __future__ import annotations
 
 import copy
+import json
 import dataclasses
 import functools
 from collections import Counter
@@ -451,16 +452,24 @@ class _DataLoop(nn.Module):
         return x
 
 
-def test_apply_names_inputs_when_ops_follow_the_data() -> None:
-    """Without ``inputs=``, apply checks the plan on zeros of the plan's input shapes: a
-    forward whose ops depend on the data runs others there, and the error says to pass the
-    example inputs; with them the plan applies."""
+def test_apply_follows_the_example_batch_where_ops_follow_the_data() -> None:
+    """Without ``inputs=``, apply checks the plan on its input shapes, taking what the
+    data-dependent ops returned on the example batch from the plan (``forward.answers``): a
+    forward whose ops follow the data runs the plan's ops. A plan file without them (an older
+    one) is checked on zeros, where that forward runs others: the error says to pass the
+    example inputs, and with them the plan applies."""
     from memplan.errors import PlanMismatch
 
     model, x = _DataLoop(), torch.ones(4, 8)
     plan = memplan.plan(model, x, loss_fn=_square, planner="sqrt")
+    assert plan.forward is not None and plan.forward.answers
+    applied = memplan.apply(copy.deepcopy(model), json.loads(plan.to_json()))
+    assert all(torch.equal(a, b) for a, b in zip(_plain_step(model, x), _plain_step(applied, x),
+                                                 strict=True))
+    older = json.loads(plan.to_json())
+    del older["forward"]["answers"]
     with pytest.raises(PlanMismatch, match=r"memplan\.apply\(model, plan, inputs=\(\.\.\.\)\)"):
-        memplan.apply(copy.deepcopy(model), plan)
-    applied = memplan.apply(copy.deepcopy(model), plan, inputs=(x,))
+        memplan.apply(copy.deepcopy(model), older)
+    applied = memplan.apply(copy.deepcopy(model), older, inputs=(x,))
     assert all(torch.equal(a, b) for a, b in zip(_plain_step(model, x), _plain_step(applied, x),
                                                  strict=True))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import importlib.metadata as md
+import json
 import re
 import subprocess
 import sys
@@ -147,3 +148,29 @@ def test_hf_decoder_layers_called_with_keywords_are_planned_as_units() -> None:
     with pytest.raises(memplan.ConfigError, match=r"unit 'model.layers.0' is called with "
                        r"cache holding a DynamicCache.* use_cache=False"):
         md.plan_units(plain, units, kwargs={**data, "use_cache": True}, loss_fn=hf_loss)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_hf_all_ones_mask_is_captured_as_the_eager_step_runs_it(kind: str) -> None:
+    """An attention mask without padding (what a tokenizer gives for fixed-length chunks):
+    transformers skips building the 4D mask in eager mode, but took fake tensors for a trace
+    and built it at capture, so the plan's peak ran 512 B over the real one here. The capture
+    now runs the eager path (``tracing.shims``), and apply without inputs checks the plan
+    along it (the plan records what ``mask.all()`` returned): the real peak is the plan's,
+    to the byte, and the step is bit-equal."""
+    model = build(kind, "sdpa", layers=4)
+    data = {**batch(kind, size=2, seq=16)}
+    data["attention_mask"] = torch.ones_like(data["input_ids"])
+    plain = copy.deepcopy(model)
+    graph = memplan.capture(model, kwargs=data, loss_fn=hf_loss)
+    assert graph.forward is not None and graph.forward.answers  # mask.all(): True
+    assert graph.peak_bytes == memplan.measure(model, kwargs=data, loss_fn=hf_loss,
+                                               simulate=False, repeat=1).peak_bytes
+    plan = memplan.plan(graph, budget=(memplan.plan(graph).peak_bytes + graph.peak_bytes) // 2)
+    memplan.apply(model, json.loads(plan.to_json()))  # checked on the plan's shapes alone
+    for seed in (0, 1):
+        assert all(torch.equal(a, b) for a, b in zip(_step(plain, data, seed),
+                                                     _step(model, data, seed)))
+    real = memplan.measure(model, kwargs=data, loss_fn=hf_loss, simulate=False, repeat=1)
+    assert real.peak_bytes == plan.peak_bytes == memplan.measure(
+        model, kwargs=data, loss_fn=hf_loss).peak_bytes

@@ -117,6 +117,8 @@ class ForwardSpec:
     assumptions: tuple[str, ...] = ()
     # Example inputs passed by keyword (``kwargs=``), by name, specs as ``inputs``'.
     kwargs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # What data-dependent ops returned on the example batch (``tracing.datadep``), by op.
+    answers: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"ops": self.ops, "fingerprint": self.fingerprint,
@@ -127,6 +129,8 @@ class ForwardSpec:
             out["assumptions"] = list(self.assumptions)
         if self.kwargs:
             out["kwargs"] = {name: dict(s) for name, s in self.kwargs.items()}
+        if self.answers:
+            out["answers"] = {op: [dict(r) for r in rs] for op, rs in self.answers.items()}
         return out
 
     @classmethod
@@ -135,7 +139,8 @@ class ForwardSpec:
                    tuple(dict(s) for s in data.get("inputs", [])),
                    dict(data.get("autocast") or {}),
                    tuple(str(a) for a in data.get("assumptions", ())),
-                   {str(k): dict(s) for k, s in (data.get("kwargs") or {}).items()})
+                   {str(k): dict(s) for k, s in (data.get("kwargs") or {}).items()},
+                   {str(k): [dict(r) for r in rs] for k, rs in (data.get("answers") or {}).items()})
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,8 @@ MAX_INT = 2**63 - 1  # bytes, FLOPs, op indices: the chain's int64
 MAX_TEXT_CHARS = 4096  # a planner name, a module path, a note
 MAX_DIMS = 64  # an example input's dimensions
 MAX_SPEC_DEPTH = 8  # example inputs nested in lists, tuples and dicts (deeper: by type only)
+MAX_ANSWER_LEAVES = 4096  # data-dependent outputs a plan records (more: none recorded)
+ANSWER_TREES = ("one", "tuple", "list")  # how a recorded output's leaves are grouped
 MODES = ("keep", "drop-cheap", "recompute")
 ITEM_KINDS = MODES  # the schedule's items: Keep, DropCheap, Region
 BOUNDARIES = ("call", "leaf", "op")  # how the runtime finds a stage's end (CutPoint.kind)
@@ -168,7 +170,7 @@ def _items(value: object, where: str, n: int, depth: int) -> tuple[S.Item, ...]:
 
 
 def _forward(value: object, n_ops: int) -> None:
-    fwd = _keys(value, "forward", _FORWARD, ("assumptions", "kwargs"))
+    fwd = _keys(value, "forward", _FORWARD, ("assumptions", "kwargs", "answers"))
     _int(fwd["ops"], "forward.ops", hi=n_ops)
     _text(fwd["fingerprint"], "forward.fingerprint")
     for i, spec in enumerate(_list(fwd["inputs"], "forward.inputs")):
@@ -178,10 +180,52 @@ def _forward(value: object, n_ops: int) -> None:
         _input_spec(spec, f"forward.kwargs.{printable(name)}")
     for i, note in enumerate(_list(fwd.get("assumptions", []), "forward.assumptions")):
         _text(note, f"forward.assumptions[{i}]")
+    _answers(fwd.get("answers", {}))
     autocast = _keys(fwd["autocast"], "forward.autocast", (), AUTOCAST_DEVICES)
     for device, dtype in autocast.items():
         if dtype not in AUTOCAST_DTYPES:
             raise _bad(f"forward.autocast.{device}", f"one of {list(AUTOCAST_DTYPES)}", dtype)
+
+
+def _answers(value: object) -> None:
+    """What data-dependent ops returned (``tracing.datadep``): per op, in order, the shapes
+    of its tensor inputs and its output's leaves, a tensor's geometry or a number."""
+    leaves = 0
+    for op, records in _keys(value, "forward.answers", (), None).items():
+        at = f"forward.answers.{printable(_text(op, 'forward.answers key', empty=False))}"
+        for i, raw in enumerate(_list(records, at)):
+            rec = _keys(raw, f"{at}[{i}]", ("in", "tree", "out"))
+            for j, shape in enumerate(_list(rec["in"], f"{at}[{i}].in")):
+                _shape(shape, f"{at}[{i}].in[{j}]")
+            out = _list(rec["out"], f"{at}[{i}].out")
+            if rec["tree"] not in ANSWER_TREES or (rec["tree"] == "one" and len(out) != 1):
+                raise _bad(f"{at}[{i}].tree", f"one of {list(ANSWER_TREES)} ('one': one "
+                           "output)", rec["tree"])
+            leaves += len(out)
+            if leaves > MAX_ANSWER_LEAVES:
+                raise _bad("forward.answers", f"at most {MAX_ANSWER_LEAVES} outputs",
+                           "more")
+            for j, leaf in enumerate(out):
+                _answer_leaf(leaf, f"{at}[{i}].out[{j}]")
+
+
+def _answer_leaf(value: object, where: str) -> None:
+    if isinstance(value, dict) and "value" in value:
+        number = _keys(value, where, ("value",))["value"]
+        if isinstance(number, str) or number is None:
+            raise _bad(f"{where}.value", "a boolean or a finite number", number)
+        _scalar(number, f"{where}.value")
+        return
+    leaf = _keys(value, where, ("shape", "stride", "dtype", "device"))
+    shape = _shape(leaf["shape"], f"{where}.shape")
+    stride = _list(leaf["stride"], f"{where}.stride")
+    if len(stride) != len(shape):
+        raise _bad(f"{where}.stride", f"{len(shape)} integers (one per dimension)", stride)
+    for k, step in enumerate(stride):
+        _int(step, f"{where}.stride[{k}]")
+    if leaf["dtype"] not in DTYPE_NAMES:
+        raise _bad(f"{where}.dtype", f"one of {list(DTYPE_NAMES)}", leaf["dtype"])
+    _text(leaf["device"], f"{where}.device", empty=False)
 
 
 def _input_spec(value: object, where: str, depth: int = 0) -> None:
@@ -210,18 +254,23 @@ def _input_spec(value: object, where: str, depth: int = 0) -> None:
 
 def _tensor_spec(value: object, where: str) -> None:
     spec = _keys(value, where, ("shape", "dtype", "requires_grad"))
-    shape = _list(spec["shape"], f"{where}.shape")
-    if len(shape) > MAX_DIMS:
-        raise _bad(f"{where}.shape", f"at most {MAX_DIMS} dimensions", shape)
-    numel = 1
-    for k, size in enumerate(shape):
-        numel *= _int(size, f"{where}.shape[{k}]")
-    if numel > MAX_INT:
-        raise _bad(f"{where}.shape", f"at most {MAX_INT} elements", numel)
+    _shape(spec["shape"], f"{where}.shape")
     if spec["dtype"] not in DTYPE_NAMES:
         raise _bad(f"{where}.dtype", f"one of {list(DTYPE_NAMES)}", spec["dtype"])
     if not isinstance(spec["requires_grad"], bool):
         raise _bad(f"{where}.requires_grad", "true or false", spec["requires_grad"])
+
+
+def _shape(value: object, where: str) -> list[int]:
+    shape = _list(value, where)
+    if len(shape) > MAX_DIMS:
+        raise _bad(where, f"at most {MAX_DIMS} dimensions", shape)
+    numel = 1
+    for k, size in enumerate(shape):
+        numel *= _int(size, f"{where}[{k}]")
+    if numel > MAX_INT:
+        raise _bad(where, f"at most {MAX_INT} elements", numel)
+    return shape
 
 
 def _params(value: object) -> None:

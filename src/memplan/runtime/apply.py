@@ -380,8 +380,7 @@ def _check(model: nn.Module, plan: Plan, forward: ForwardSpec, inputs: tuple[Any
     fix = ("The model was left untouched; make a plan for it with memplan.plan(model, *inputs, "
            "loss_fn=..., budget=...).")
     try:
-        fake = probe(model, inputs, forward.inputs, forward.autocast, watch, kwargs,
-                     forward.kwargs)
+        fake = probe(model, inputs, kwargs, forward, watch)
     except MemplanError:  # a mismatch, or data-dependent ops it could not size
         raise
     except Exception as err:  # the user's forward failed on the plan's inputs

@@ -18,6 +18,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from memplan.core.graph import ForwardSpec
+from memplan.errors import CaptureError
 from memplan.runtime import units as U
 from memplan.runtime.tape import WRITE_ONLY, tensor_leaves, tensors, written_tensors
 from memplan.tracing.datadep import Oracle, run_with_oracle
@@ -46,31 +48,40 @@ class FakeForward:
     written: frozenset[int] = frozenset()
 
 
-def probe(model: nn.Module, inputs: Sequence[Any] | None, specs: Sequence[dict[str, Any]] = (),
-          autocast: dict[str, str] | None = None, watch: Sequence[str] = (),
-          kwargs: Mapping[str, Any] | None = None,
-          kwarg_specs: Mapping[str, dict[str, Any]] | None = None) -> FakeForward:
-    """Run the forward on fake tensors (from ``inputs`` and ``kwargs``, or when ``inputs`` is
-    None the plan's input ``specs`` and ``kwarg_specs``) and watch it; data-dependent ops
-    sized from one real forward, as capture sizes them (``datadep``). Exceptions of the
-    model's own code propagate."""
+def probe(model: nn.Module, inputs: Sequence[Any] | None, kwargs: Mapping[str, Any] | None = None,
+          forward: ForwardSpec | None = None, watch: Sequence[str] = ()) -> FakeForward:
+    """Run the forward on fake tensors and watch it: from ``inputs`` and ``kwargs``, or when
+    ``inputs`` is None from the plan's ``forward`` (its input specs, and what its example
+    batch's data-dependent ops returned: ``datadep``), under the plan's autocast. Other
+    data-dependent ops are sized from one real forward, as capture sizes them. Exceptions of
+    the model's own code propagate."""
+    autocast = forward.autocast if forward is not None else None
+    specs = ((), {}) if forward is None else (forward.inputs, forward.kwargs)
 
     def real() -> None:
         if inputs is None:
             device = model_device(model)
-            args, kw = spec_args(specs, device), spec_kwargs(kwarg_specs or {}, device)
+            args, kw = spec_args(specs[0], device), spec_kwargs(specs[1], device)
         else:
             args, kw = tuple(inputs), dict(kwargs or {})
         real_forward(model, args, autocast=autocast, kwargs=kw)
 
-    result: FakeForward = run_with_oracle(
-        lambda oracle: _probe(model, (inputs, kwargs), (specs, kwarg_specs), autocast, watch,
-                              oracle), real)
+    def attempt(oracle: Oracle) -> FakeForward:
+        return _probe(model, (inputs, kwargs), specs, autocast, watch, oracle)
+
+    if inputs is None and forward is not None and forward.answers:
+        try:  # along the example batch's path
+            recorded = Oracle.from_answers(forward.answers, model_device(model))
+            found: FakeForward = run_with_oracle(attempt, real, recorded)
+            return found
+        except CaptureError:
+            pass  # the forward left the recorded path: see where zeros lead (the caller)
+    result: FakeForward = run_with_oracle(attempt, real)
     return result
 
 
 def _probe(model: nn.Module, given: tuple[Sequence[Any] | None, Mapping[str, Any] | None],
-           specs: tuple[Sequence[dict[str, Any]], Mapping[str, dict[str, Any]] | None],
+           specs: tuple[Sequence[dict[str, Any]], Mapping[str, dict[str, Any]]],
            autocast: dict[str, str] | None, watch: Sequence[str], oracle: Oracle
            ) -> FakeForward:
     names = {id(m): path for path, m in model.named_modules()}

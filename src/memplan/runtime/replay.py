@@ -199,11 +199,27 @@ def _entries_to_run(tape: Tape, first: int, last: int, want: dict[Pos, None],
             if not isinstance(leaf, Ref):
                 break
             e = leaf.pos[0]
-    run = [e for e in range(first, end + 1) if not (drop and tape.entries[e].expensive)]
+    run = [e for e in range(first, end + 1)
+           if not (drop and tape.entries[e].expensive) and not _scalar_read(tape.entries[e])]
     run += sorted(views)
     stop = end if end >= first and isinstance(tape.entries[end], UnitEntry) \
         and end in unit_saves and end not in bases else -1
     return run, stop
+
+
+def _scalar_read(entry: OpEntry | UnitEntry) -> bool:
+    """``t.item()``: a number the forward's Python used, baked into the ops after it as
+    they were recorded; no tensor to remake. Not replayed (on fake tensors, as in a
+    simulated step, it could not be: its value is the data's)."""
+    if not isinstance(entry, OpEntry):
+        return False
+    hit = _SCALAR_READS.get(entry.func)
+    if hit is None:
+        hit = _SCALAR_READS[entry.func] = torch.Tag.data_dependent_output in entry.func.tags
+    return hit
+
+
+_SCALAR_READS: dict[Any, bool] = {}  # per aten op: read once
 
 
 def _base(tape: Tape, e: int, first: int, drop: bool) -> int:

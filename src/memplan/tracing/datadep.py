@@ -8,11 +8,14 @@ RNG are left as they were), and an :class:`Oracle` records what each such op ret
 fake step is then run again and each such op gets the recorded shape (a fresh fake tensor) or
 value (a Python scalar), in order, per op. The Graph is exact for that batch; another batch
 replays exactly (the runtime re-runs the recorded ops) but may need other memory, which the
-plan says in a note.
+plan says in a note. The records go into the plan as plain data (``Oracle.answers``), so that
+``memplan.apply`` checks a model on its plan's input shapes along the path the example batch
+took (a mixture of experts' routing, an all-ones mask's skipped ops), not that of zeros.
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,7 +27,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from memplan.core.plan_schema import ANSWER_TREES, MAX_ANSWER_LEAVES
 from memplan.errors import CaptureError
+from memplan.tracing.fake import DTYPES
 
 DATA_DEPENDENT = (DynamicOutputShapeException, DataDependentOutputException)
 _TAGS = (torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output)
@@ -67,12 +72,12 @@ class Oracle:
     ``missed`` and the error goes on, so that the step can record and run again. Answering:
     every op tagged data-dependent (or missed before) takes the next record of its kind, so
     that the fake and the real forward stay aligned even where the fake one needs no answer
-    (integer indexing is tagged too).
+    (integer indexing is tagged too). ``records``: answering from the start (``from_answers``).
     """
 
-    def __init__(self) -> None:
-        self.records: dict[str, list[_Record]] | None = None
-        self.missed: set[str] = set()
+    def __init__(self, records: dict[str, list[_Record]] | None = None) -> None:
+        self.records = records
+        self.missed: set[str] = {key.partition("[")[0] for key in records or {}}
         self.answered: Counter[str] = Counter()
         self._taken: Counter[str] = Counter()
         self._watch: dict[Any, bool] = {}
@@ -157,8 +162,73 @@ class Oracle:
         return (note,)
 
 
+    def answers(self) -> dict[str, list[dict[str, Any]]] | None:
+        """The records as plain data (JSON), or None: none, or too many or too odd to keep
+        (a tensor's values read in Python one by one, a nested or non-finite output)."""
+        if self.records is None or not self.answered:
+            return None
+        out: dict[str, list[dict[str, Any]]] = {}
+        for key, queue in self.records.items():
+            encoded = [_encode(r) for r in queue]
+            if any(e is None for e in encoded):
+                return None
+            out[key] = [e for e in encoded if e is not None]
+        leaves = sum(len(e["out"]) for queue in out.values() for e in queue)
+        return out if leaves <= MAX_ANSWER_LEAVES else None
+
+    @classmethod
+    def from_answers(cls, answers: dict[str, list[dict[str, Any]]], device: torch.device
+                     ) -> Oracle:
+        """An oracle answering from a plan's records; tensors recorded off the CPU are made on
+        ``device`` (the model's)."""
+        return cls({key: [_decode(r, device) for r in queue] for key, queue in answers.items()})
+
+
+
+
+def _tree(kind: str, n: int) -> Any:
+    return tree_flatten({"one": 0, "tuple": (0,) * n, "list": [0] * n}[kind])[1]
+
+
+def _encode(rec: _Record) -> dict[str, Any] | None:
+    kind = next((k for k in ANSWER_TREES if rec.spec == _tree(k, len(rec.leaves))), None)
+    out: list[dict[str, Any]] = []
+    for leaf in rec.leaves:
+        if isinstance(leaf, _Meta):
+            out.append({"shape": list(leaf.shape), "stride": list(leaf.stride),
+                        "dtype": str(leaf.dtype).removeprefix("torch."),
+                        "device": leaf.device.type})
+        elif isinstance(leaf, (bool, int)) or (isinstance(leaf, float) and math.isfinite(leaf)):
+            out.append({"value": leaf})
+        else:
+            return None
+    if kind is None:
+        return None
+    return {"in": [list(s) for s in rec.in_shapes], "tree": kind, "out": out}
+
+
+def _decode(data: dict[str, Any], device: torch.device) -> _Record:
+    leaves = tuple(
+        _Meta(tuple(d["shape"]), tuple(d["stride"]), DTYPES[d["dtype"]],
+              torch.device("cpu") if d["device"] == "cpu" else device)
+        if "shape" in d else d["value"] for d in data["out"])
+    return _Record(tuple(tuple(s) for s in data["in"]), leaves, _tree(data["tree"], len(leaves)))
+
+
 def _plain(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return func(*args, **kwargs)
+
+
+class Answering(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Every op of a fake forward through ``oracle`` (a forward with no tracer of its own)."""
+
+    def __init__(self, oracle: Oracle) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.oracle = oracle
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        return self.oracle.call(func, args, kwargs or {})
 
 
 class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
@@ -206,11 +276,13 @@ class _ToList(TorchFunctionMode):
         return out
 
 
-def run_with_oracle(attempt: Callable[[Oracle], Any], real_forward: Callable[[], None]) -> Any:
+def run_with_oracle(attempt: Callable[[Oracle], Any], real_forward: Callable[[], None],
+                    oracle: Oracle | None = None) -> Any:
     """``attempt(oracle)`` (a fake forward or step); when it meets data-dependent ops, record
     them in ``real_forward`` (a real one on the same inputs) and attempt again. Each round
-    learns at least one new kind of op, so this ends."""
-    oracle = Oracle()
+    learns at least one new kind of op, so this ends. ``oracle``: one to start from (and to
+    read the records off afterwards)."""
+    oracle = oracle or Oracle()
     while True:
         known = len(oracle.missed)
         try:

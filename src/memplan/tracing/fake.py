@@ -26,6 +26,7 @@ from torch.utils.weak import WeakIdKeyDictionary, WeakIdRef
 from memplan.errors import PlanMismatch
 from memplan.tracing import kernels  # noqa: F401  (fake kernels torch lacks, registered)
 from memplan.tracing.opcache import fake_tensor
+from memplan.tracing.shims import eager_libraries
 
 DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64,
@@ -58,12 +59,13 @@ def functional_state(model: nn.Module, by_name: dict[str, torch.Tensor]) -> dict
 def fake_mode() -> Iterator[FakeTensorMode]:
     """The fake mode of every memplan fake run. Real tensors met as inputs of an op (what a
     forward or a loss closes over) are converted to fake copies, once each. A failing op is
-    reported once, as memplan's error: torch's logging of it is held back meanwhile."""
+    reported once, as memplan's error: torch's logging of it is held back meanwhile. Libraries
+    that take fake tensors for a trace are told these are not (``shims``)."""
     log = logging.getLogger("torch._subclasses.fake_tensor")
     was_disabled = log.disabled
     log.disabled = True
     try:
-        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode, eager_libraries(mode):
             yield mode
     finally:
         log.disabled = was_disabled

@@ -112,6 +112,7 @@ class StepResult:
     input_specs: list[dict[str, Any]]
     kwarg_specs: dict[str, dict[str, Any]]
     notes: tuple[str, ...] = ()  # assumptions the step was captured under (``datadep``)
+    answers: dict[str, list[dict[str, Any]]] | None = None  # ``Oracle.answers``
 
 
 @contextlib.contextmanager
@@ -152,9 +153,11 @@ def run_step(target: Target, *, simulate: bool, record: bool, device: str | None
         model, inputs = _materialise(target, device)
         real_forward(model, inputs, target.loss_fn, kwargs=target.kwargs)
 
+    oracle = Oracle()
     try:
         result: StepResult = run_with_oracle(
-            lambda oracle: _run_step(target, oracle, record, device, fast, stamp), real)
+            lambda oracle: _run_step(target, oracle, record, device, fast, stamp), real, oracle)
+        result.answers = oracle.answers()
         return result
     except MemplanError:
         raise
