@@ -4,9 +4,9 @@ executions per op equal to the plan's mirror counts; measured peak equal to the 
 from __future__ import annotations
 
 import copy
-import json
 import dataclasses
 import functools
+import json
 from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
