@@ -174,6 +174,7 @@ def unit_inputs(model: nn.Module, units: Sequence[str], *inputs: Any,
         model.get_submodule(path)  # a wrong path fails here, by name
     hooks = [model.get_submodule(p).register_forward_pre_hook(pre_hook(p), with_kwargs=True)
              for p in units]
+
     def attempt(oracle: Oracle) -> None:  # data-dependent values from one real forward
         seen.clear()
         fake_forward(model, inputs, kwargs=kwargs, within=[Answering(oracle)])
