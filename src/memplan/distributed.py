@@ -41,9 +41,10 @@ from memplan.core.plan import Plan
 from memplan.errors import BudgetTooSmall, ConfigError, bad_arg
 from memplan.runtime.apply import apply, unapply
 from memplan.tracing.capture import capture
-from memplan.tracing.datadep import Answering, Oracle, run_with_oracle
+from memplan.tracing.datadep import Answering, NoRealForward, Oracle, run_with_oracle
 from memplan.tracing.fake import fake_forward, real_forward
 from memplan.tracing.measure import measure
+from memplan.tracing.shims import trace_path
 from memplan.tracing.step import input_specs, kwarg_specs
 
 FSDP_UNIT_COPIES = 5  # unit run + prefetched + all-gather buffer + unsharded grads + RS input
@@ -179,8 +180,15 @@ def unit_inputs(model: nn.Module, units: Sequence[str], *inputs: Any,
         seen.clear()
         fake_forward(model, inputs, kwargs=kwargs, within=[Answering(oracle)])
 
+    def real() -> None:
+        real_forward(model, inputs, kwargs=kwargs)
+
     try:
-        run_with_oracle(attempt, lambda: real_forward(model, inputs, kwargs=kwargs))
+        try:
+            run_with_oracle(attempt, real)
+        except NoRealForward:
+            with trace_path():  # as capture does (``shims``)
+                run_with_oracle(attempt, real)
     finally:
         for h in hooks:
             h.remove()

@@ -6,6 +6,7 @@ the pinned torch without replacing it."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib.metadata as md
 import json
 import re
@@ -174,3 +175,35 @@ def test_hf_all_ones_mask_is_captured_as_the_eager_step_runs_it(kind: str) -> No
     real = memplan.measure(model, kwargs=data, loss_fn=hf_loss, simulate=False, repeat=1)
     assert real.peak_bytes == plan.peak_bytes == memplan.measure(
         model, kwargs=data, loss_fn=hf_loss).peak_bytes
+
+
+def test_hf_on_the_meta_device_is_captured_on_its_trace_path() -> None:
+    """A model built on the meta device (to plan one larger than the machine) has no data for
+    the eager path's reads (``mask.all()``): it is captured on transformers' trace path, which
+    builds the masks, and the plan says so (an upper bound). A plan captured on that path is
+    checked along it at apply, and the model trains bit-equal within it."""
+    from memplan.tracing.shims import trace_path
+
+    data = {**batch("llama", size=2, seq=16)}
+    data["attention_mask"] = torch.ones_like(data["input_ids"])
+    with torch.device("meta"):
+        meta = build("llama", "sdpa", layers=4)
+        meta_data = {k: v.to("meta") for k, v in data.items()}
+    graph = memplan.capture(meta, kwargs=meta_data, loss_fn=hf_loss)
+    assert graph.forward is not None and graph.forward.trace_path
+    assert any("trace path" in note for note in memplan.plan(graph).notes)
+    model = build("llama", "sdpa", layers=4)
+    eager = memplan.capture(model, kwargs=data, loss_fn=hf_loss)
+    with trace_path():  # what the meta capture fell back to, on the real model
+        traced = memplan.capture(model, kwargs=data, loss_fn=hf_loss)
+    assert eager.forward is not None and not eager.forward.trace_path
+    assert len(traced.ops) > len(eager.ops) and traced.peak_bytes >= eager.peak_bytes  # masks
+    traced = dataclasses.replace(traced, forward=dataclasses.replace(traced.forward,
+                                                                     trace_path=True))
+    plan = memplan.plan(traced, budget=(memplan.plan(traced).peak_bytes
+                                        + traced.peak_bytes) // 2)
+    plain = copy.deepcopy(model)
+    memplan.apply(model, json.loads(plan.to_json()))  # on the trace path, as captured
+    assert all(torch.equal(a, b) for a, b in zip(_step(plain, data, 0), _step(model, data, 0)))
+    real = memplan.measure(model, kwargs=data, loss_fn=hf_loss, simulate=False, repeat=1)
+    assert real.peak_bytes <= plan.peak_bytes

@@ -119,6 +119,8 @@ class ForwardSpec:
     kwargs: dict[str, dict[str, Any]] = field(default_factory=dict)
     # What data-dependent ops returned on the example batch (``tracing.datadep``), by op.
     answers: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    # Captured on libraries' trace path (``tracing.shims``): apply checks along it too.
+    trace_path: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"ops": self.ops, "fingerprint": self.fingerprint,
@@ -131,6 +133,8 @@ class ForwardSpec:
             out["kwargs"] = {name: dict(s) for name, s in self.kwargs.items()}
         if self.answers:
             out["answers"] = {op: [dict(r) for r in rs] for op, rs in self.answers.items()}
+        if self.trace_path:
+            out["trace_path"] = True
         return out
 
     @classmethod
@@ -140,7 +144,8 @@ class ForwardSpec:
                    dict(data.get("autocast") or {}),
                    tuple(str(a) for a in data.get("assumptions", ())),
                    {str(k): dict(s) for k, s in (data.get("kwargs") or {}).items()},
-                   {str(k): [dict(r) for r in rs] for k, rs in (data.get("answers") or {}).items()})
+                   {str(k): [dict(r) for r in rs] for k, rs in (data.get("answers") or {}).items()},
+                   bool(data.get("trace_path", False)))
 
 
 @dataclass(frozen=True)

@@ -170,7 +170,9 @@ def _items(value: object, where: str, n: int, depth: int) -> tuple[S.Item, ...]:
 
 
 def _forward(value: object, n_ops: int) -> None:
-    fwd = _keys(value, "forward", _FORWARD, ("assumptions", "kwargs", "answers"))
+    fwd = _keys(value, "forward", _FORWARD, ("assumptions", "kwargs", "answers", "trace_path"))
+    if not isinstance(fwd.get("trace_path", False), bool):
+        raise _bad("forward.trace_path", "true or false", fwd["trace_path"])
     _int(fwd["ops"], "forward.ops", hi=n_ops)
     _text(fwd["fingerprint"], "forward.fingerprint")
     for i, spec in enumerate(_list(fwd["inputs"], "forward.inputs")):

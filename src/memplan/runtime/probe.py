@@ -32,6 +32,7 @@ from memplan.tracing.fake import (
 )
 from memplan.tracing.module_hooks import global_module_hooks
 from memplan.tracing.opinfo import is_counted
+from memplan.tracing.shims import trace_path
 from memplan.tracing.step import no_cyclic_gc
 from memplan.tracing.view_replays import ViewReplays
 
@@ -69,15 +70,16 @@ def probe(model: nn.Module, inputs: Sequence[Any] | None, kwargs: Mapping[str, A
     def attempt(oracle: Oracle) -> FakeForward:
         return _probe(model, (inputs, kwargs), specs, autocast, watch, oracle)
 
-    if inputs is None and forward is not None and forward.answers:
-        try:  # along the example batch's path
-            recorded = Oracle.from_answers(forward.answers, model_device(model))
-            found: FakeForward = run_with_oracle(attempt, real, recorded)
-            return found
-        except CaptureError:
-            pass  # the forward left the recorded path: see where zeros lead (the caller)
-    result: FakeForward = run_with_oracle(attempt, real)
-    return result
+    with trace_path(forward is not None and forward.trace_path):  # the capture's path
+        if inputs is None and forward is not None and forward.answers:
+            try:  # along the example batch's path
+                recorded = Oracle.from_answers(forward.answers, model_device(model))
+                found: FakeForward = run_with_oracle(attempt, real, recorded)
+                return found
+            except CaptureError:
+                pass  # the forward left the recorded path: see where zeros lead (the caller)
+        result: FakeForward = run_with_oracle(attempt, real)
+        return result
 
 
 def _probe(model: nn.Module, given: tuple[Sequence[Any] | None, Mapping[str, Any] | None],

@@ -43,7 +43,7 @@ def capture_target(target: Target, device: str | None = None, fast: bool = True)
         n = tracer.model_ops
         forward = g.ForwardSpec(n, g.forward_fingerprint([o.target for o in tracer.ops[:n]]),
                                 tuple(result.input_specs), autocast_state(), result.notes,
-                                result.kwarg_specs, result.answers or {})
+                                result.kwarg_specs, result.answers or {}, result.trace_path)
         graph = build_graph(tracer, target.name, result.output_ids, forward, tracer.user_deaths)
         tracer.drop_records()
         del result, tracer

@@ -276,6 +276,11 @@ class _ToList(TorchFunctionMode):
         return out
 
 
+class NoRealForward(CaptureError):
+    """The real forward that sizes data-dependent ops could not run (a model on the meta
+    device, inputs elsewhere than the model)."""
+
+
 def run_with_oracle(attempt: Callable[[Oracle], Any], real_forward: Callable[[], None],
                     oracle: Oracle | None = None) -> Any:
     """``attempt(oracle)`` (a fake forward or step); when it meets data-dependent ops, record
@@ -299,7 +304,7 @@ def run_with_oracle(attempt: Callable[[Oracle], Any], real_forward: Callable[[],
         try:
             oracle.record(real_forward)
         except Exception as err:
-            raise CaptureError(
+            raise NoRealForward(
                 f"capture: the step uses ops whose output depends on tensor data "
                 f"({', '.join(sorted(oracle.missed))}); memplan sizes them from one real "
                 f"forward on the example inputs, which raised {type(err).__name__}: {err}. "

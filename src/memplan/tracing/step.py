@@ -18,7 +18,7 @@ from memplan.core import graph as g
 from memplan.core.plan_schema import MAX_SPEC_DEPTH
 from memplan.errors import CaptureError, ConfigError, MemplanError, bad_arg
 from memplan.models import Workload
-from memplan.tracing.datadep import Oracle, run_with_oracle
+from memplan.tracing.datadep import NoRealForward, Oracle, run_with_oracle
 from memplan.tracing.fake import (
     fake_args,
     fake_call,
@@ -31,6 +31,7 @@ from memplan.tracing.fake import (
 )
 from memplan.tracing.module_hooks import module_hooks
 from memplan.tracing.opcache import FakeOpCache
+from memplan.tracing.shims import TRACE_PATH_NOTE, trace_path
 from memplan.tracing.stamp import Stamper
 from memplan.tracing.tracer import StepTracer
 
@@ -113,6 +114,7 @@ class StepResult:
     kwarg_specs: dict[str, dict[str, Any]]
     notes: tuple[str, ...] = ()  # assumptions the step was captured under (``datadep``)
     answers: dict[str, list[dict[str, Any]]] | None = None  # ``Oracle.answers``
+    trace_path: bool = False  # captured on the libraries' trace path (``shims``)
 
 
 @contextlib.contextmanager
@@ -153,10 +155,18 @@ def run_step(target: Target, *, simulate: bool, record: bool, device: str | None
         model, inputs = _materialise(target, device)
         real_forward(model, inputs, target.loss_fn, kwargs=target.kwargs)
 
+    def attempt(oracle: Oracle) -> StepResult:
+        return _run_step(target, oracle, record, device, fast, stamp)
+
     oracle = Oracle()
     try:
-        result: StepResult = run_with_oracle(
-            lambda oracle: _run_step(target, oracle, record, device, fast, stamp), real, oracle)
+        try:
+            result: StepResult = run_with_oracle(attempt, real, oracle)
+        except NoRealForward:
+            oracle = Oracle()
+            with trace_path():  # where libraries read no data (``shims``), or the same error
+                result = run_with_oracle(attempt, real, oracle)
+            result.trace_path, result.notes = True, result.notes + (TRACE_PATH_NOTE,)
         result.answers = oracle.answers()
         return result
     except MemplanError:
