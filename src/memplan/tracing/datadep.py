@@ -184,26 +184,25 @@ class Oracle:
         return cls({key: [_decode(r, device) for r in queue] for key, queue in answers.items()})
 
 
-
-
 def _tree(kind: str, n: int) -> Any:
     return tree_flatten({"one": 0, "tuple": (0,) * n, "list": [0] * n}[kind])[1]
 
 
 def _encode(rec: _Record) -> dict[str, Any] | None:
+    """A record as a plan keeps it (``plan_schema``); None where it cannot."""
     kind = next((k for k in ANSWER_TREES if rec.spec == _tree(k, len(rec.leaves))), None)
+    if kind is None:
+        return None
     out: list[dict[str, Any]] = []
     for leaf in rec.leaves:
-        if isinstance(leaf, _Meta):
-            out.append({"shape": list(leaf.shape), "stride": list(leaf.stride),
-                        "dtype": str(leaf.dtype).removeprefix("torch."),
+        dtype = str(leaf.dtype).removeprefix("torch.") if isinstance(leaf, _Meta) else ""
+        if isinstance(leaf, _Meta) and dtype in DTYPES:
+            out.append({"shape": list(leaf.shape), "stride": list(leaf.stride), "dtype": dtype,
                         "device": leaf.device.type})
         elif isinstance(leaf, (bool, int)) or (isinstance(leaf, float) and math.isfinite(leaf)):
             out.append({"value": leaf})
         else:
             return None
-    if kind is None:
-        return None
     return {"in": [list(s) for s in rec.in_shapes], "tree": kind, "out": out}
 
 
