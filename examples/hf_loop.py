@@ -9,9 +9,8 @@ model computes from ``labels``), apply, and train. memplan has one path for ever
 op-tape runtime: the model's own forward runs, stage boundaries are module calls, and
 recomputed scopes are replayed from their recorded aten ops in backward.
 
-An int budget is planned with a 3% margin (--margin): on these HF models memplan's measured
-peak came out 1-5% above the plan's prediction (GPT-2, Llama; exact for BERT and for
-memplan's own models); the margin kept the measured peak within the budget you gave.
+The budget needs no headroom: on these models the measured peak is the plan's prediction, to
+the byte (GPT-2, Llama and BERT, both attention implementations).
 
 The script trains a plain copy side by side (same seeds, same batches) and checks that every
 loss and the final weights are bit-equal and that the measured peak fits the budget.
@@ -30,8 +29,6 @@ from hf_models import batch, build, hf_loss
 
 import memplan
 from memplan.runtime.apply import applied_state
-
-MARGIN = 0.03
 
 
 def custom_loop(model: Any, plain: Any, data: dict[str, torch.Tensor], steps: int
@@ -82,24 +79,17 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--budget", default="auto")
     p.add_argument("--trainer", action="store_true", help="train with transformers.Trainer")
-    p.add_argument("--margin", type=float, default=MARGIN,
-                   help="plan for this fraction less than the budget (default %(default)s)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
 
     model = build(args.model, args.attn, layers=args.layers)
-    budget_bytes = None
     plain = copy.deepcopy(model)
     data = batch(args.model)
 
     # --- the recipe --------------------------------------------------------------------------
     graph = memplan.capture(model, kwargs=data, loss_fn=hf_loss)  # model(**data).loss
-    budget = parse_budget(args.budget, memplan.plan(graph))
-    if isinstance(budget, int):  # headroom: on HF models the measured peak ran up to 3% over
-        budget_bytes, budget = budget, int(budget * (1 - args.margin))  # the plan's prediction
-    plan = memplan.plan(graph, budget=budget)
+    plan = memplan.plan(graph, budget=parse_budget(args.budget, memplan.plan(graph)))
     memplan.apply(model, plan)
-    budget_bytes = budget_bytes or plan.budget_bytes
     # -----------------------------------------------------------------------------------------
 
     with warnings.catch_warnings():
@@ -122,7 +112,7 @@ def main() -> None:
           "stages": len(plan.stages),
           "recomputed_stages": sum(s.mode != "keep" for s in plan.stages),
           "recorded_ops": state.last.recorded_ops, "all_stages_seen": state.last.finished,
-          **result, "budget_bytes": budget_bytes, "planned_for_bytes": plan.budget_bytes,
+          **result, "budget_bytes": plan.budget_bytes,
           "predicted_peak_bytes": plan.peak_bytes,
           "peak_bytes": peak, "plain_peak_bytes": plain_peak, "plain_step_s": plain_s,
           "planned_step_s": planned_s}, args.json)

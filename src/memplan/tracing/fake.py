@@ -25,6 +25,7 @@ from torch.utils.weak import WeakIdKeyDictionary, WeakIdRef
 
 from memplan.errors import PlanMismatch
 from memplan.tracing import kernels  # noqa: F401  (fake kernels torch lacks, registered)
+from memplan.tracing.meta_constants import lifted_meta_constants, on_meta
 from memplan.tracing.opcache import fake_tensor
 from memplan.tracing.shims import eager_libraries
 
@@ -56,16 +57,18 @@ def functional_state(model: nn.Module, by_name: dict[str, torch.Tensor]) -> dict
 
 
 @contextlib.contextmanager
-def fake_mode() -> Iterator[FakeTensorMode]:
+def fake_mode(meta: bool = False) -> Iterator[FakeTensorMode]:
     """The fake mode of every memplan fake run. Real tensors met as inputs of an op (what a
     forward or a loss closes over) are converted to fake copies, once each. A failing op is
     reported once, as memplan's error: torch's logging of it is held back meanwhile. Libraries
-    that take fake tensors for a trace are told these are not (``shims``)."""
+    that take fake tensors for a trace are told these are not (``shims``). ``meta``: the
+    model is on the meta device, whose constants are lifted as on others (``meta_constants``)."""
     log = logging.getLogger("torch._subclasses.fake_tensor")
     was_disabled = log.disabled
     log.disabled = True
     try:
-        with FakeTensorMode(allow_non_fake_inputs=True) as mode, eager_libraries(mode):
+        with (FakeTensorMode(allow_non_fake_inputs=True) as mode, eager_libraries(mode),
+              lifted_meta_constants(meta)):
             yield mode
     finally:
         log.disabled = was_disabled
@@ -364,7 +367,7 @@ def fake_forward(model: nn.Module, inputs: Sequence[Any] | None,
     (fake) output. The model's parameters, buffers, attributes, training mode and the RNG
     are left as they were."""
     device = model_device(model)
-    with untouched(model), fake_mode() as fake:
+    with untouched(model), fake_mode(on_meta(model)) as fake:
         params, buffers = fake_state(fake, model)
         if inputs is None:
             args, kw = spec_args(specs, device), spec_kwargs(kwarg_specs or {}, device)

@@ -29,6 +29,7 @@ from memplan.tracing.fake import (
     make_fake_in_place,
     real_forward,
 )
+from memplan.tracing.meta_constants import META_NOTE, on_meta
 from memplan.tracing.module_hooks import module_hooks
 from memplan.tracing.opcache import FakeOpCache
 from memplan.tracing.shims import TRACE_PATH_NOTE, trace_path
@@ -131,11 +132,11 @@ def no_cyclic_gc() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _fake_mode(simulate: bool) -> Iterator[FakeTensorMode | None]:
+def _fake_mode(simulate: bool, model: nn.Module | None) -> Iterator[FakeTensorMode | None]:
     if not simulate:
         yield None
         return
-    with fake_mode() as mode:
+    with fake_mode(model is not None and on_meta(model)) as mode:
         yield mode
 
 
@@ -167,6 +168,8 @@ def run_step(target: Target, *, simulate: bool, record: bool, device: str | None
             with trace_path():  # where libraries read no data (``shims``), or the same error
                 result = run_with_oracle(attempt, real, oracle)
             result.trace_path, result.notes = True, result.notes + (TRACE_PATH_NOTE,)
+        if target.user_model is not None and on_meta(target.user_model):
+            result.notes += (META_NOTE,)
         result.answers = oracle.answers()
         return result
     except MemplanError:
@@ -230,7 +233,7 @@ def _run_step(target: Target, oracle: Oracle | None, record: bool, device: str |
             meta_model = target.workload.build_model()
     kept = target.user_model if simulate else None  # its Python attributes: restored after
     with (kept_python_state(kept) if kept is not None else contextlib.nullcontext()), \
-            no_cyclic_gc(), _fake_mode(simulate) as fake:
+            no_cyclic_gc(), _fake_mode(simulate, kept) as fake:
         step = _prepare(target, fake, meta_model, device, fast)
         cache = FakeOpCache(fake) if fake is not None and fast else None
         tracer = StepTracer(record=record, fake=fake, oracle=oracle, cache=cache)
