@@ -23,8 +23,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from memplan.core import graph as g
 from memplan.tracing.autograd_nodes import AutogradNodes
 from memplan.tracing.datadep import Oracle
-from memplan.tracing.opcache import FakeOpCache, fake_tensor
+from memplan.tracing.opcache import FakeOpCache
 from memplan.tracing.opinfo import OpInfo, op_info, shape_key, tensors_of
+from memplan.tracing.save_proxies import SaveProxies
 from memplan.tracing.view_replays import ViewReplays
 
 
@@ -63,7 +64,7 @@ _PRE_EXISTING = frozenset((g.PARAMETER, g.BUFFER, g.INPUT, g.EXTERNAL))
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
 
 
-class StepTracer(AutogradNodes, TorchDispatchMode):  # type: ignore[no-untyped-call]
+class StepTracer(AutogradNodes, SaveProxies, TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Counts live storage bytes through a step; with ``record=True`` also builds a Graph.
     Under ``fake`` (a fake step), ops run through ``cache`` when given (``opcache``) and
     ``oracle`` answers data-dependent ones (``datadep``)."""
@@ -108,14 +109,7 @@ class StepTracer(AutogradNodes, TorchDispatchMode):  # type: ignore[no-untyped-c
         self._flops: dict[tuple[Any, ...], int] = {}
         self._constants: list[torch.Tensor] = []  # fake copies of real tensors the step reads
         self._saved_names: dict[type, tuple[str, ...]] = {}
-        # Saves split from their values (``pack``): per value, its save proxies alive, whether
-        # its own storage died, and the forward event at which it did (``user_deaths``).
-        self._proxies: dict[int, int] = {}
-        self._proxy_watch: dict[weakref.ref[Any], tuple[int, int]] = {}
-        self._orphaned: set[int] = set()
-        self._packed: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[torch.Tensor]]] = {}
-        self.user_deaths: dict[int, int] = {}
-        self.frees = 0  # storage and proxy deaths seen: a stamped call must see none (stamp)
+        self._init_proxies()
 
     # --- storages ----------------------------------------------------------------------------
 
@@ -190,77 +184,6 @@ class StepTracer(AutogradNodes, TorchDispatchMode):  # type: ignore[no-untyped-c
         rec = self.values[vid]
         rec.death = self.event
         self.live_bytes -= rec.nbytes
-
-    # --- saves, split from the values they save ----------------------------------------------
-
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
-        """Saved-tensor pack hook of a fake step: autograd keeps a proxy of an activation (a
-        fake tensor of the same geometry over a storage of its own, counted as the same value)
-        instead of the tensor itself. The value lives while either lives, as before; the
-        event at which its own storage dies in the forward is when it would die had autograd
-        saved nothing (``Value.death_unsaved``), without a second forward to find it."""
-        if type(t) is not FakeTensor:
-            return t
-        hit = self._packed.get(id(t))
-        if hit is not None:
-            mine, proxy = hit[0](), hit[1]()
-            if mine is t and proxy is not None:
-                return proxy  # saved again (the same tensor, as another op's input)
-        key = t.untyped_storage()._cdata
-        vid = self._by_storage.get(key)
-        if vid is None or not self.proxiable(t, vid):
-            return t
-        assert self.fake is not None  # proxiable
-        with torch._C._DisableTorchDispatch():
-            storage = torch.UntypedStorage(  # type: ignore[no-untyped-call]
-                self.values[vid].nbytes, device=_META)
-            elem = torch.empty((0,), dtype=t.dtype, device=_META)
-            elem.set_(storage, t.storage_offset(), t.shape, t.stride())
-        proxy = fake_tensor(self.fake, elem, t.fake_device)
-        pkey = storage._cdata
-        self._by_storage[pkey] = vid
-        self._proxy_watch[weakref.ref(storage, self._on_proxy_free)] = (pkey, vid)
-        self._proxies[vid] = self._proxies.get(vid, 0) + 1
-        self._packed[id(t)] = (weakref.ref(t), weakref.ref(proxy))
-        return proxy
-
-    def proxiable(self, t: torch.Tensor, vid: int) -> bool:
-        """Whether ``pack`` splits a save of ``t`` (a fake tensor, value ``vid``) from it."""
-        return self.values[vid].kind == g.ACTIVATION and self.fake is not None \
-            and getattr(t, "fake_mode", None) is self.fake and t.layout is torch.strided \
-            and not t.is_conj() and not t.is_neg()
-
-    def hold(self, vid: int) -> None:
-        """A save split from its value without a proxy tensor: a stamped call, which knows
-        the event its node releases it at (``release``)."""
-        self._proxies[vid] = self._proxies.get(vid, 0) + 1
-
-    def release(self, vid: int) -> None:
-        self.frees += 1
-        self._proxy_gone(vid)
-
-    @staticmethod
-    def unpack(t: torch.Tensor) -> torch.Tensor:
-        return t
-
-    def _on_proxy_free(self, ref: weakref.ref[Any]) -> None:
-        key, vid = self._proxy_watch.pop(ref)
-        self.frees += 1
-        if self._by_storage.get(key) == vid:
-            del self._by_storage[key]
-        self._proxy_gone(vid)
-
-    def _proxy_gone(self, vid: int) -> None:
-        left = self._proxies[vid] - 1
-        if left:
-            self._proxies[vid] = left
-            return
-        del self._proxies[vid]
-        if vid in self._orphaned:
-            self._orphaned.discard(vid)
-            rec = self.values[vid]
-            rec.death = self.event
-            self.live_bytes -= rec.nbytes
 
     def _note_peak(self) -> None:
         if self.live_bytes > self.peak_bytes:
