@@ -23,22 +23,19 @@ from torch import nn
 
 from memplan.api import plan as make_plan
 from memplan.core import graph as g
-from memplan.core.budget import format_bytes
 from memplan.core.graph import ForwardSpec
 from memplan.core.plan import Plan, load_plan
 from memplan.errors import ConfigError, MemplanError, PlanMismatch, bad_arg
 from memplan.runtime import record as R
+from memplan.runtime.input_specs import Spec, input_spec, plan_spec, spec_text, warn_other_inputs
 from memplan.runtime.layout import Layout, layout
 from memplan.runtime.probe import FakeForward, probe
 from memplan.runtime.replay import replaying
 from memplan.runtime.tape import Namer, UnitInfo, unit_info
 from memplan.runtime.wrappers import check_wrappers
-from memplan.tracing.fake import DTYPES
 from memplan.tracing.step import check_kwargs
 
 _ATTR = "_memplan_applied"
-# Inputs as (label, (shape, dtype) of a tensor or None), labelled by position or keyword.
-Spec = tuple[tuple[str, Any], ...]
 
 
 @dataclass
@@ -120,7 +117,7 @@ def _run_planned(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
         if lay.templates:
             check_wrappers(model)
         applied.wrappers_checked = True
-    _check_inputs(applied, args, kwargs)
+    warn_other_inputs(applied.plan, applied.weight_bytes, applied.warned_inputs, args, kwargs)
 
     def info(path: str, module: nn.Module) -> UnitInfo:
         got = applied.infos.get(path)
@@ -222,7 +219,8 @@ def apply(model: nn.Module, plan: Plan | str | dict[str, Any] | None = None, *,
                  fake.targets, fake.written)
     applied = _install(model, plan, lay)
     if inputs is not None:
-        _check_inputs(applied, inputs, kw, stacklevel=3)
+        warn_other_inputs(plan, applied.weight_bytes, applied.warned_inputs, inputs, kw,
+                          stacklevel=3)
     return model
 
 
@@ -297,77 +295,6 @@ def _as_plan(plan: Plan | str | os.PathLike[str] | dict[str, Any]) -> Plan:
                   "Make one with memplan.plan(...).")
 
 
-# --- inputs ------------------------------------------------------------------------------------
-
-
-def _spec_text(spec: Spec) -> str:
-    def one(label: str, s: Any) -> str:
-        shown = "-" if s is None else f"{list(s[0])} {str(s[1]).removeprefix('torch.')}"
-        return shown if label.isdigit() else f"{label}={shown}"
-
-    # Positions shown all ("-": not a tensor), keywords only where a tensor.
-    return ", ".join(one(label, s) for label, s in spec if s is not None or label.isdigit())
-
-
-def _tensor_spec(a: Any) -> Any:
-    return (tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else None
-
-
-def _input_spec(args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> Spec:
-    return (tuple((str(i), _tensor_spec(a)) for i, a in enumerate(args))
-            + tuple((k, _tensor_spec(v)) for k, v in (kwargs or {}).items()))
-
-
-def _plan_spec(plan: Plan) -> Spec:
-    def one(s: dict[str, Any]) -> Any:
-        return (tuple(s["shape"]), DTYPES[s["dtype"]]) if "shape" in s else None
-
-    fwd = plan.forward
-    if fwd is None:
-        return ()
-    return (tuple((str(i), one(s)) for i, s in enumerate(fwd.inputs))
-            + tuple((k, one(s)) for k, s in fwd.kwargs.items()))
-
-
-def _check_inputs(applied: Applied, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None,
-                  stacklevel: int = 4) -> None:
-    """Warn, once per input shape, when a forward's tensor inputs differ from the plan's:
-    the plan's stages still hold, its memory does not (predicted peak scaled by the inputs'
-    size: activations grow with the batch, weights do not). Inputs are compared by position
-    and by keyword; one passed one way here and the other in the plan is not compared."""
-    plan_spec = dict(_plan_spec(applied.plan))
-    got = tuple((k, s) for k, s in _input_spec(args, kwargs) if k in plan_spec)
-    want = tuple((k, plan_spec[k]) for k, _ in got)
-    if got == want or got in applied.warned_inputs or len(applied.warned_inputs) > 16:
-        return
-    applied.warned_inputs.add(got)
-    ratio = 1.0
-    for (_, w), (_, h) in zip(want, got):
-        if w is not None and h is not None:
-            old = _numel(w[0]) * w[1].itemsize
-            ratio = max(ratio, _numel(h[0]) * h[1].itemsize / old if old else 1.0)
-    plan = applied.plan
-    fixed = min(applied.weight_bytes, plan.peak_bytes)
-    scaled = int(fixed + (plan.peak_bytes - fixed) * ratio)
-    over = ""
-    if plan.budget_bytes is not None and scaled > plan.budget_bytes:
-        over = f", over its budget of {format_bytes(plan.budget_bytes)}"
-    warnings.warn(
-        f"memplan: the plan was made for inputs {_spec_text(want)}; this forward's are "
-        f"{_spec_text(got)}. Gradients stay exact, but its predicted peak of "
-        f"{format_bytes(plan.peak_bytes)} becomes about {format_bytes(scaled)} (scaled by "
-        f"the inputs' size){over}. Make a plan for these inputs: memplan.plan(model, *inputs, "
-        "loss_fn=..., budget=...), then memplan.unapply(model) and memplan.apply(model, plan).",
-        stacklevel=stacklevel)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
-
-
 # --- the plan against the model: a forward on fake tensors ------------------------------------
 
 
@@ -385,7 +312,7 @@ def _check(model: nn.Module, plan: Plan, forward: ForwardSpec, inputs: tuple[Any
         raise
     except Exception as err:  # the user's forward failed on the plan's inputs
         first = (str(err).strip().splitlines() or [""])[0][:300]
-        shown = _spec_text(_plan_spec(plan) if inputs is None else _input_spec(inputs, kwargs))
+        shown = spec_text(plan_spec(plan) if inputs is None else input_spec(inputs, kwargs))
         raise PlanMismatch(f"{mismatch}; this model's forward fails on inputs {shown}: "
                            f"{type(err).__name__}: {first}). {fix}") from err
     got_fp = g.forward_fingerprint(fake.targets)
