@@ -152,6 +152,36 @@ def test_plan_user_factory(spec: str, capsys: pytest.CaptureFixture[str]) -> Non
     assert f"{spec}: plan 'sqrt'" in capsys.readouterr().out
 
 
+FACTORY_FILE = """
+from dataclasses import dataclass
+import torch
+from torch import nn
+from neighbour import WIDTH  # beside this file, as `python models.py` would import it
+
+@dataclass  # needs its module in sys.modules
+class Cfg:
+    depth: int = 4
+
+def make(batch: int = 8):
+    layers = [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU()) for _ in range(Cfg().depth)]
+    return nn.Sequential(*layers), torch.randn(batch, WIDTH)
+"""
+
+
+def test_plan_factory_from_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "models.py").write_text(FACTORY_FILE)
+    (tmp_path / "src" / "neighbour.py").write_text("WIDTH = 16\n")
+    monkeypatch.chdir(tmp_path)
+    assert main(["plan", "src/models.py:make", "--planner", "sqrt", "--batch", "4"]) == 0
+    assert "src/models.py:make: plan 'sqrt'" in capsys.readouterr().out
+    assert main(["plan", "src/models.py:nope"]) == 2
+    assert "src/models.py has no 'nope'" in _err_line(capsys)
+    assert main(["plan", "src/none.py:make"]) == 2
+    assert "an existing Python file" in _err_line(capsys)
+
+
 def test_factory_batch_and_measure(capsys: pytest.CaptureFixture[str]) -> None:
     from memplan.cli.spec import resolve
 

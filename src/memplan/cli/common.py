@@ -16,8 +16,8 @@ from memplan.core.plan_schema import printable
 from memplan.errors import ConfigError, bad_arg
 
 MODEL_HELP = ("a built-in workload 'resnet:depth=1000,batch=32', 'lstm:steps=1024', "
-              "'gpt:layers=12', or a factory 'package.module:callable' returning "
-              "(model, example_inputs[, loss_fn])")
+              "'gpt:layers=12', or a factory 'package.module:callable' or "
+              "'path/to/file.py:callable' returning (model, example_inputs[, loss_fn])")
 MAX_BATCH = 2**31 - 1
 MAX_JOBS = 256  # worker processes
 MAX_REPEAT = 1000  # timed rounds

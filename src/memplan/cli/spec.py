@@ -1,22 +1,26 @@
 """Model specs as the command line writes them.
 
 * a built-in workload: ``resnet:depth=1000,batch=32``, ``lstm:steps=1024``, ``gpt:layers=12``;
-* a user factory: ``package.module:callable``, a zero-argument callable returning
+* a user factory: ``package.module:callable`` or ``path/to/file.py:callable``, a
+  zero-argument callable returning
   ``(model, example_inputs)`` or ``(model, example_inputs, loss_fn)``. ``example_inputs``: a
   tuple (``model(*inputs)``), one tensor, or a dict of keyword inputs (``model(**batch)``).
   The module is imported only because the spec names it (from the current directory or the
-  installed packages).
+  installed packages; a file as ``python path/to/file.py`` would import its neighbours).
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 import os
 import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from memplan import models
@@ -24,7 +28,9 @@ from memplan.errors import ConfigError, MemplanError, bad_arg
 from memplan.models.size import step_size
 
 _FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
-_EXAMPLES = "'resnet:depth=1000,batch=32', 'lstm:steps=1024' or 'mypkg.models:make'"
+_FILE_FACTORY = re.compile(r"^.+\.py:[A-Za-z_][\w.]*$")  # path/to/file.py:callable
+_EXAMPLES = ("'resnet:depth=1000,batch=32', 'lstm:steps=1024', 'mypkg.models:make' or "
+             "'path/to/models.py:make'")
 
 
 @dataclass(frozen=True)
@@ -71,7 +77,8 @@ def split_spec(spec: str) -> tuple[str, dict[str, Any]]:
     if name not in models.names():
         raise bad_arg(
             "MODEL", f"a built-in model {models.names()} with optional ':key=value,...', or a "
-            "factory 'package.module:callable'", spec, f"Write e.g. {_EXAMPLES}.",
+            "factory 'package.module:callable' or 'path/to/file.py:callable'", spec,
+            f"Write e.g. {_EXAMPLES}.",
         )
     params: dict[str, Any] = {}
     for item in filter(None, (p.strip() for p in rest.split(","))):
@@ -90,13 +97,17 @@ def split_spec(spec: str) -> tuple[str, dict[str, Any]]:
 
 
 def is_factory(spec: str) -> bool:
-    """``package.module:callable`` (no '=' after the colon) and not a built-in name."""
+    """``package.module:callable`` (no '=' after the colon) and not a built-in name, or
+    ``path/to/file.py:callable``."""
     name = spec.partition(":")[0].strip()
+    if _FILE_FACTORY.match(spec.strip()):
+        return True
     return name not in models.names() and bool(_FACTORY.match(spec.strip()))
 
 
 def resolve(spec: str, batch: int | None = None) -> ModelSpec:
-    """A built-in workload spec or a user factory ``package.module:callable``."""
+    """A built-in workload spec or a user factory (``package.module:callable``,
+    ``path/to/file.py:callable``)."""
     if batch is not None and (isinstance(batch, bool) or batch < 1):
         raise bad_arg("--batch", "an integer >= 1", batch, "Use e.g. --batch 32.")
     if not is_factory(spec):
@@ -106,7 +117,7 @@ def resolve(spec: str, batch: int | None = None) -> ModelSpec:
 
 
 def _from_factory(spec: str, batch: int | None) -> ModelSpec:
-    module_name, _, attr = spec.partition(":")
+    module_name, _, attr = spec.rpartition(":")  # a file path may hold colons, a name not
     fn = _import_callable(module_name, attr)
     kwargs: dict[str, Any] = {}
     if batch is not None:
@@ -127,26 +138,29 @@ def _from_factory(spec: str, batch: int | None) -> ModelSpec:
 
 
 def _import_callable(module_name: str, attr: str) -> Callable[..., Any]:
-    cwd = os.getcwd()
-    added = cwd not in sys.path
+    is_file = module_name.endswith(".py")
+    folder = str(Path(module_name).expanduser().resolve().parent) if is_file else os.getcwd()
+    added = folder not in sys.path
     if added:
-        sys.path.insert(0, cwd)  # as `python -m` would: the user's own modules
+        sys.path.insert(0, folder)  # as `python -m` or `python file.py` would
     try:
-        module = importlib.import_module(module_name)
+        module = _load_file(module_name) if is_file else importlib.import_module(module_name)
     except ModuleNotFoundError as err:
         raise bad_arg(
-            "MODEL", f"an importable module before ':' (from {cwd} or installed)", module_name,
-            f"No module named {err.name!r}: check the spelling, run from the directory that "
-            "holds it, or install it.",
+            "MODEL", f"an importable module before ':' (from {folder} or installed)",
+            module_name, f"No module named {err.name!r}: check the spelling, run from the "
+            "directory that holds it, or install it.",
         ) from err
+    except MemplanError:
+        raise
     except (Exception, SystemExit) as err:
         raise ConfigError(
             f"MODEL: importing {module_name} raised {_what(err)}. Fix the module "
             "(run with --debug for the traceback)."
         ) from err
     finally:
-        if added and cwd in sys.path:
-            sys.path.remove(cwd)
+        if added and folder in sys.path:
+            sys.path.remove(folder)
     obj: Any = module
     for part in attr.split("."):
         if not hasattr(obj, part):
@@ -160,6 +174,28 @@ def _import_callable(module_name: str, attr: str) -> Callable[..., Any]:
                       "Point at a function returning (model, example_inputs[, loss_fn]).")
     fn: Callable[..., Any] = obj
     return fn
+
+
+def _load_file(path_text: str) -> ModuleType:
+    """The module of a Python file, registered under a name of its own (what dataclasses and
+    pickle look up), as ``python path/to/file.py`` would run it but not as ``__main__``."""
+    path = Path(path_text).expanduser()
+    if not path.is_file():
+        raise bad_arg("MODEL", "an existing Python file before ':'", path_text,
+                      f"No such file (from {os.getcwd()}): check the path.")
+    name = f"memplan_factory_{path.stem}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise bad_arg("MODEL", "a Python file before ':'", path_text,
+                      "Name a .py file whose callable returns (model, example_inputs).")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
 
 
 def _what(err: BaseException) -> str:
