@@ -182,11 +182,31 @@ def test_ilp_least_peak_is_the_dp_s_or_the_clean_chain_s_when_lower(
     clean = PLANNERS["optimal"](g, None)
     assert clean.peak_bytes > on_all.peak_bytes and len(clean.stages) < len(on_all.stages)
     lower = dataclasses.replace(clean, peak_bytes=on_all.peak_bytes - 1)
-    monkeypatch.setattr(ilp, "_clean_dp", lambda *args: lower)
+    monkeypatch.setattr(ilp, "_other_dp", lambda *args: (lower, "the clean chain"))
     took = PLANNERS["ilp"](g, None)
     assert took.planner == "ilp" and took.schedule == clean.schedule
     assert took.notes[-1].endswith(
         f"on the clean chain ({len(clean.stages)} stages) it is lower and returned")
+
+
+def test_ilp_over_max_stages_still_has_the_dp_plan_through_every_cut() -> None:
+    """With more cut points than ``max_stages`` the MILP plans over the clean chain; the DP's
+    plan through every cut point (as ``optimal`` plans) is returned where it is better: a
+    Mamba layer's scan has no clean cut inside, and there ilp's least peak was 22% above
+    optimal's (HF Jamba)."""
+    g = unet_graph()
+    n_cuts = len(g.cut_points)
+    clean = PLANNERS["optimal"](g, None)  # the DP on the clean chain
+    assert len(clean.stages) < n_cuts
+    least = PLANNERS["ilp"](g, None, max_stages=len(clean.stages))
+    assert least.notes[0] == f"chain of {len(clean.stages)} stages through clean cut points"
+    assert least.peak_bytes < clean.peak_bytes and len(least.stages) == n_cuts
+    assert least.notes[-1].endswith(
+        f"on the chain through every cut point ({n_cuts} stages) it is lower and returned")
+    budget = (least.peak_bytes + clean.peak_bytes) // 2  # below the clean chain's least peak
+    at = PLANNERS["ilp"](g, budget, max_stages=len(clean.stages))
+    assert at.peak_bytes <= budget and len(at.stages) == n_cuts
+    assert "plan on the chain through every cut point" in at.notes[-1]
 
 
 def test_ilp_bad_arguments() -> None:

@@ -30,13 +30,13 @@ from memplan.core.evaluate import (
 from memplan.core.floor import peak_floor
 from memplan.core.plan import Plan, make_plan
 from memplan.core.planners import PLANNERS
+from memplan.core.planners.common import ALL_CUTS
 from memplan.errors import BudgetTooSmall
 
 ROOM = 0.01  # unused fraction of a budget worth planning again for (``_raised``)
 RETRIES = 4  # plans made again under a tightened budget before the least-peak plan is tried
 GRAPH_PLANNERS = ("ilp",)  # given the Graph: they choose their own cut points
 COMPARED = ("optimal", "ilp", "recursive", "drop-cheap", "sqrt")  # named in a refusal
-ALL_CUTS = 400  # the dynamic program also plans through every cut point up to this many
 
 Planner = Callable[[int | None], Plan]  # budget -> plan, or BudgetTooSmall
 

@@ -32,7 +32,7 @@ from memplan.core import graph as g
 from memplan.core import schedule as S
 from memplan.core.budget import budget_too_small
 from memplan.core.plan import Plan, make_plan
-from memplan.core.planners.common import ChainLike, int_param
+from memplan.core.planners.common import ALL_CUTS, ChainLike, int_param
 from memplan.core.planners.ilp_model import build, objective, schedule, unit
 from memplan.core.planners.optimal import plan_optimal
 from memplan.errors import BudgetTooSmall, bad_arg
@@ -167,7 +167,7 @@ def plan_ilp(graph: ChainLike, budget_bytes: int | None = None,
     out = _Out(chain, budget_bytes, stage_time_s, {
         "max_depth": max_depth, "cuts": cuts, "max_stages": max_stages,
         "drop_cheap": drop_cheap, "node_limit": node_limit,
-        "objective": "flops" if stage_time_s is None else "time"}, (_chain_note(graph, chain, cuts),))
+        "objective": "flops" if stage_time_s is None else "time"}, (_chain_note(graph, chain),))
     try:  # the dynamic program's plan: exact on this chain, the one to beat
         dp: Plan | None = plan_optimal(chain, budget_bytes, drop_cheap=drop_cheap,
                                        stage_time_s=stage_time_s)
@@ -188,12 +188,13 @@ def plan_ilp(graph: ChainLike, budget_bytes: int | None = None,
                      time_limit_s)
     status = _status(res, max_depth, node_limit)
     mine = None if res.schedule is None else out.wrap(res.schedule, status)
-    clean = _clean_dp(graph, chain, budget_bytes, drop_cheap, stage_time_s)
-    if clean is not None and all(_key(clean, budget_bytes) < _key(p, budget_bytes)
+    found = _other_dp(graph, chain, budget_bytes, drop_cheap, stage_time_s)
+    if found is not None and all(_key(found[0], budget_bytes) < _key(p, budget_bytes)
                                  for p in (mine, dp) if p is not None):
-        note = (f"{status}; the 'optimal' dynamic program's plan on the clean chain "
-                f"({len(clean.stages)} stages) is better and returned")
-        return dataclasses.replace(clean, planner="ilp", params=out.params,
+        other, which = found
+        note = (f"{status}; the 'optimal' dynamic program's plan on {which} "
+                f"({len(other.stages)} stages) is better and returned")
+        return dataclasses.replace(other, planner="ilp", params=out.params,
                                    notes=(*out.notes, note))
     if dp is not None and (mine is None or _key(dp, budget_bytes) <= _key(mine, budget_bytes)):
         why = "no better" if mine is not None else "no plan"
@@ -236,10 +237,11 @@ class _Out:
                          (*self.notes, extra), self.stage_time_s)
 
 
-def _chain_note(graph: ChainLike, chain: C.Chain, cuts: str) -> str:
+def _chain_note(graph: ChainLike, chain: C.Chain) -> str:
     if isinstance(graph, C.Chain):
         return f"chain of {chain.n} stages"
-    return f"chain of {chain.n} stages through {'all' if cuts != 'clean' else 'clean'} cut points"
+    every = chain.n == len(graph.cut_points)  # cuts='auto' takes the clean chain over max_stages
+    return f"chain of {chain.n} stages through {'all' if every else 'clean'} cut points"
 
 
 def _status(res: MilpResult, max_depth: int, node_limit: int) -> str:
@@ -255,17 +257,18 @@ def _status(res: MilpResult, max_depth: int, node_limit: int) -> str:
 def _least_peak_of_dp(graph: ChainLike, out: _Out, dp: Plan, drop_cheap: bool,
                       stage_time_s: list[float] | None) -> Plan:
     """Without a budget, the dynamic program's least-peak plan on the ILP's chain (or on the
-    clean chain when lower): it lies within 1/1024 of the plain peak above the least peak of
+    graph's other chain when lower, ``_other_dp``): it lies within 1/1024 of the plain peak above the least peak of
     any schedule at any depth (``optimal.least_peak_schedule``), which a MILP over schedules
     nested <= max_depth deep cannot go below. The MILP is not run: on 36 stages it spent 32 s
     CPU at its node limit to find a higher peak than this plan's."""
-    clean = _clean_dp(graph, out.chain, None, drop_cheap, stage_time_s)
+    found = _other_dp(graph, out.chain, None, drop_cheap, stage_time_s)
     why = ("the least peak: the 'optimal' dynamic program's least-peak plan (within 1/1024 of "
            "the plain peak above the least peak of any schedule, every nesting depth: a MILP "
            "cannot go below it by more), not searched again by MILP")
-    if clean is not None and _key(clean, None) < _key(dp, None):
-        note = f"{why}; on the clean chain ({len(clean.stages)} stages) it is lower and returned"
-        return dataclasses.replace(clean, planner="ilp", params=out.params,
+    if found is not None and _key(found[0], None) < _key(dp, None):
+        other, which = found
+        note = f"{why}; on {which} ({len(other.stages)} stages) it is lower and returned"
+        return dataclasses.replace(other, planner="ilp", params=out.params,
                                    notes=(*out.notes, note))
     return out.wrap(dp.schedule, why)
 
@@ -283,17 +286,23 @@ def _least_peak(out: _Out, status: str, time_limit_s: float | None, max_depth: i
     return out.wrap(least.schedule, f"{status} at the budget; the least-peak plan is returned")
 
 
-def _clean_dp(graph: ChainLike, chain: C.Chain, budget_bytes: int | None, drop_cheap: bool,
-              stage_time_s: list[float] | None) -> Plan | None:
-    """The dynamic program's plan on the graph's clean chain, when the ILP plans over another
-    chain of the graph (with fine cut points the clean chain can beat the skips' over-count)."""
+def _other_dp(graph: ChainLike, chain: C.Chain, budget_bytes: int | None, drop_cheap: bool,
+              stage_time_s: list[float] | None) -> tuple[Plan, str] | None:
+    """The dynamic program's plan on the graph's other chain, and which chain that is: the
+    clean chain where the ILP plans over every cut point (there it can beat the skips'
+    over-count), or the chain through every cut point where the ILP plans over the clean
+    one, there being more than ``max_stages`` (up to ``ALL_CUTS``, as ``optimal`` plans: a
+    Mamba layer's scan has no clean cut inside, and cutting inside it lowers the peak)."""
     if not isinstance(graph, g.Graph) or stage_time_s is not None:
         return None
-    clean = C.build_chain(graph)
-    if np.array_equal(clean.last, chain.last):
-        return None
+    other, which = C.build_chain(graph), "the clean chain"
+    if np.array_equal(other.last, chain.last):
+        n_cuts = len(graph.cut_points)
+        if not other.n < n_cuts <= ALL_CUTS:
+            return None
+        other, which = C.build_chain(graph, list(range(n_cuts))), "the chain through every cut point"
     try:
-        return plan_optimal(clean, budget_bytes, drop_cheap=drop_cheap)
+        return plan_optimal(other, budget_bytes, drop_cheap=drop_cheap), which
     except BudgetTooSmall:
         return None
 
