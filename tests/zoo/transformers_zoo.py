@@ -193,6 +193,18 @@ ENTRIES = [
                                             num_hidden_layers=3, num_attention_heads=2,
                                             vocab_size=VOCAB, lru_width=32,
                                             attention_window_size=16, pad_token_id=0)),
+    # state-space models: the selective scan a step at a time (torch's path, no fused kernel)
+    Entry("hf-mamba", LIB, causal("MambaForCausalLM", "MambaConfig", **GQA, state_size=8,
+                                  expand=2, conv_kernel=4)),
+    Entry("hf-mamba2", LIB, causal("Mamba2ForCausalLM", "Mamba2Config", **GQA, num_heads=4,
+                                   head_dim=16, state_size=8, n_groups=1, expand=2,
+                                   chunk_size=16)),
+    # a hybrid: attention, Mamba and expert layers interleaved
+    Entry("hf-jamba", LIB, causal("JambaForCausalLM", "JambaConfig", **GQA, num_experts=4,
+                                  num_experts_per_tok=2, attn_layer_period=2,
+                                  attn_layer_offset=1, expert_layer_period=2,
+                                  expert_layer_offset=1, mamba_d_state=8, mamba_dt_rank=4,
+                                  mamba_expand=2, use_mamba_kernels=False)),
     # mixtures of experts (the default experts implementation, grouped_mm)
     Entry("hf-mixtral", LIB, causal("MixtralForCausalLM", "MixtralConfig", **MOE,
                                     num_local_experts=4)),
