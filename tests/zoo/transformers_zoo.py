@@ -193,6 +193,21 @@ ENTRIES = [
                                             num_hidden_layers=3, num_attention_heads=2,
                                             vocab_size=VOCAB, lru_width=32,
                                             attention_window_size=16, pad_token_id=0)),
+    # multi-query attention in one fused projection; local and global attention layers
+    Entry("hf-gpt-bigcode", LIB, causal("GPTBigCodeForCausalLM", "GPTBigCodeConfig", **GQA)),
+    Entry("hf-gpt-neo", LIB, causal("GPTNeoForCausalLM", "GPTNeoConfig", **GQA, num_layers=4,
+                                    attention_types=[[["global", "local"], 2]],
+                                    window_size=16)),
+    Entry("hf-modernbert-decoder", LIB, causal("ModernBertDecoderForCausalLM",
+                                               "ModernBertDecoderConfig", **GQA,
+                                               global_attn_every_n_layers=2,
+                                               local_attention=16)),
+    # attention and the MLP side by side on one normed input
+    Entry("hf-cohere", LIB, causal("CohereForCausalLM", "CohereConfig", **GQA)),
+    # hybrids of attention with short convolutions, and with linear attention
+    Entry("hf-lfm3", LIB, causal("Lfm3ForCausalLM", "Lfm3Config", **GQA)),
+    Entry("hf-olmo-hybrid", LIB, causal("OlmoHybridForCausalLM", "OlmoHybridConfig", **GQA,
+                                        head_dim=16)),
     # state-space models: the selective scan a step at a time (torch's path, no fused kernel)
     Entry("hf-mamba", LIB, causal("MambaForCausalLM", "MambaConfig", **GQA, state_size=8,
                                   expand=2, conv_kernel=4)),
