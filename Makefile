@@ -29,9 +29,10 @@ test: install
 
 typecheck: install
 	$(BIN)/python -m mypy --strict src/memplan
+	$(BIN)/python -m mypy --strict benchmarks
 
 lint: install
-	$(BIN)/python -m ruff check src tests benchmarks
+	$(BIN)/python -m ruff check src tests benchmarks examples
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .mypy_cache .hypothesis

@@ -36,8 +36,9 @@ class HandCheckpointed(nn.Module):
     def __init__(self, wrapped: nn.Module, segments: list[list[int]]) -> None:
         super().__init__()
         self.wrapped = wrapped
-        net = wrapped.net
-        self.units = [net.stem] + [u for stage in net.stages for u in stage] + [net.head]
+        net: Any = wrapped.net  # the zoo's ResNet: stem, stages of units, head
+        self.units: list[nn.Module] = [net.stem] + [u for stage in net.stages for u in stage] \
+            + [net.head]
         self.segments = segments
 
     def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -65,7 +66,7 @@ def same_segments_plan(graph: memplan.Graph, model: nn.Module, segments: list[li
     """The memplan plan whose regions are exactly the hand-written segments: chain stages
     grouped by the segment of the unit whose call ends them."""
     chain = C.build_chain(graph)
-    net = model.net
+    net: Any = model.net
     paths = ["net.stem"] + [f"net.stages.{i}.{j}" for i, st in enumerate(net.stages)
                             for j in range(len(st))]
     segment_of = {path: k for k, seg in enumerate(segments) for u, path in enumerate(paths)
@@ -115,8 +116,9 @@ def timed(models: dict[str, nn.Module], inputs: tuple[Any, ...], loss: Any, repe
 
 
 def peak(model: nn.Module, inputs: tuple[Any, ...], loss: Any, device: str) -> int:
-    return memplan.measure(model, *inputs, loss_fn=loss, simulate=False, device=device,
-                           repeat=1).peak_bytes
+    measured: int = memplan.measure(model, *inputs, loss_fn=loss, simulate=False,
+                                    device=device, repeat=1).peak_bytes
+    return measured
 
 
 def main() -> None:
@@ -151,7 +153,7 @@ def main() -> None:
     secs = timed(models, inputs, w.loss, args.repeat, dev)
     cpu = timed(models, inputs, w.loss, args.repeat, dev, time.process_time) if dev == "cpu" else secs
     peaks = {k: peak(m, inputs, w.loss, dev) for k, m in models.items()}
-    rows = []
+    rows: list[dict[str, Any]] = []
     for k in models:
         rows.append({"run": k, "step_s": secs[k], "vs_plain": secs[k] / secs["plain"],
                      "cpu_s": cpu[k], "cpu_vs_plain": cpu[k] / cpu["plain"],

@@ -38,7 +38,7 @@ def main() -> None:
         steps.append(k.get("stamp"))
         return run_step(*a, **k)
 
-    stamp.Stamper.__init__ = keep  # type: ignore[method-assign]
+    setattr(stamp.Stamper, "__init__", keep)  # noqa: B010  (counted, for this benchmark)
     capture.run_step = counted
     differ = 0
     for name in args.only.split(",") if args.only else list(ZOO):

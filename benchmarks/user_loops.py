@@ -29,7 +29,8 @@ class EmbeddedCells(nn.Module):
         state: Any = (h, torch.zeros_like(h)) if self.cell_kind == "lstm" else h
         for t in range(tokens.shape[0]):
             state = self.cell(x[t], state)
-        return self.head(state[0] if self.cell_kind == "lstm" else state)
+        out: torch.Tensor = self.head(state[0] if self.cell_kind == "lstm" else state)
+        return out
 
 
 class Universal(nn.Module):
@@ -45,7 +46,8 @@ class Universal(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for _ in range(self.depth):
             x = self.layer(x)
-        return self.head(x)
+        out: torch.Tensor = self.head(x)
+        return out
 
 
 class CellLSTM(nn.Module):

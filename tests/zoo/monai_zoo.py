@@ -29,7 +29,7 @@ def segmentation(make: Any, loss: str = "DiceCELoss", size: int = SIZE) -> Any:
 
 
 def unet() -> Any:
-    from monai.networks.nets import UNet
+    from monai.networks.nets.unet import UNet
 
     return UNet(spatial_dims=2, in_channels=1, out_channels=CLASSES, channels=(8, 16, 32, 64),
                 strides=(2, 2, 2), num_res_units=2, norm="INSTANCE",
@@ -37,14 +37,14 @@ def unet() -> Any:
 
 
 def basic_unet() -> Any:
-    from monai.networks.nets import BasicUNet
+    from monai.networks.nets.basic_unet import BasicUNet
 
     return BasicUNet(spatial_dims=2, in_channels=1, out_channels=CLASSES,
                      features=(8, 8, 16, 32, 64, 8), dropout=DROP)
 
 
 def dyn_unet() -> Any:
-    from monai.networks.nets import DynUNet
+    from monai.networks.nets.dynunet import DynUNet
 
     return DynUNet(spatial_dims=2, in_channels=1, out_channels=CLASSES,
                    kernel_size=[3, 3, 3, 3], strides=[1, 2, 2, 2],
@@ -53,7 +53,7 @@ def dyn_unet() -> Any:
 
 
 def swin_unetr() -> Any:
-    from monai.networks.nets import SwinUNETR
+    from monai.networks.nets.swin_unetr import SwinUNETR
 
     return SwinUNETR(in_channels=1, out_channels=CLASSES, spatial_dims=2, feature_size=12,
                      depths=(1, 1, 1, 1), num_heads=(1, 1, 2, 2), window_size=4,
@@ -61,14 +61,14 @@ def swin_unetr() -> Any:
 
 
 def unetr() -> Any:
-    from monai.networks.nets import UNETR
+    from monai.networks.nets.unetr import UNETR
 
     return UNETR(in_channels=1, out_channels=CLASSES, img_size=(32, 32), feature_size=8,
                  hidden_size=32, mlp_dim=64, num_heads=2, spatial_dims=2, dropout_rate=DROP)
 
 
 def seg_resnet() -> Any:
-    from monai.networks.nets import SegResNet
+    from monai.networks.nets.segresnet import SegResNet
 
     return SegResNet(spatial_dims=2, init_filters=8, in_channels=1, out_channels=CLASSES,
                      dropout_prob=DROP)

@@ -118,7 +118,8 @@ class LSTMTagger(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out, _ = self.lstm(x)
-        return self.head(out)
+        y: torch.Tensor = self.head(out)
+        return y
 
 
 def lstm(seed: int) -> Built:
@@ -141,7 +142,8 @@ class CellLoop(nn.Module):
         state = (h, torch.zeros_like(h))
         for t in range(x.shape[0]):
             state = self.cell(x[t], hx=state)
-        return self.head(state[0])
+        y: torch.Tensor = self.head(state[0])
+        return y
 
 
 def lstm_cell_loop(seed: int) -> Built:

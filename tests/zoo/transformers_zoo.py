@@ -133,7 +133,7 @@ BART = {"d_model": 32, "encoder_layers": 2, "decoder_layers": 2, "encoder_attent
 T5 = {"d_model": 32, "d_kv": 16, "d_ff": 64, "num_layers": 2, "num_decoder_layers": 2,
       "num_heads": 2, "vocab_size": VOCAB, "dropout_rate": DROP, "pad_token_id": 0,
       "eos_token_id": 2, "decoder_start_token_id": 0}
-VIT = {"image_size": 32, "patch_size": 4, "hidden_size": 32, "num_hidden_layers": 4,
+VIT: dict[str, Any] = {"image_size": 32, "patch_size": 4, "hidden_size": 32, "num_hidden_layers": 4,
        "num_attention_heads": 2, "intermediate_size": 64, "hidden_dropout_prob": DROP,
        "attention_probs_dropout_prob": DROP}
 
