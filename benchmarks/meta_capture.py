@@ -3,8 +3,8 @@
 and captured on the same path (transformers' trace path where the meta capture fell back to
 it). "same graph": forward and backward ops and the peak are equal; "same forward": the meta
 plan applies to the CPU model, but its backward or peak differs (kernels lay out gradients
-by device); "differ": the forwards differ (first ops shown), and the plan does not apply. One process, 1 thread; an entry whose library
-is missing is skipped.
+by device); "differ": the forwards differ (first ops shown), and the plan does not apply.
+One process, 1 thread; an entry whose library is missing is skipped.
 
     PYTHONPATH=src:. .venv/bin/python benchmarks/meta_capture.py [--only a,b]
 """

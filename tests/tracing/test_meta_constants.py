@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+from typing import Any
 
 import pytest
 import torch
@@ -83,14 +84,15 @@ def test_constants_are_lifted_once_each(device: str) -> None:
             super().__init__()
             self.seen: list[str] = []
 
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                               kwargs: Any = None) -> Any:
             self.seen.append(str(func))
             return func(*args, **(kwargs or {}))
 
     x = torch.ones(2, device=device)
     with lifted_meta_constants(), Ops() as ops:
         torch.tensor([1.0, 2.0], device=device)
-        x.new_tensor([3.0])
+        x.new_tensor(data=[3.0])
         torch.tensor(x)  # a copy of a tensor: detach and _to_copy, no lift
     assert ops.seen == ["aten.lift_fresh.default"] * 2 + ["aten.detach.default",
                                                             "aten._to_copy.default"]

@@ -18,7 +18,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
 from torch.overrides import TorchFunctionMode
 
 _LIFT = torch.ops.aten.lift_fresh.default
@@ -30,25 +29,28 @@ META_NOTE = (
     "(ConvNeXt's peak came out 0.4% below its CPU capture's): measure the applied model "
     "there, memplan.measure(model, ..., simulate=False)")
 # The factories that end in lift_fresh where they build from Python data, and where that data
-# is among their arguments (new_tensor: after self).
-_DATA_AT = {torch.tensor: 0, torch.as_tensor: 0, torch.asarray: 0, torch.Tensor.new_tensor: 1}
+# is among their arguments: (position, keyword); new_tensor's after self.
+_DATA_AT: dict[Any, tuple[int, str]] = {
+    torch.tensor: (0, "data"), torch.as_tensor: (0, "data"), torch.asarray: (0, "obj"),
+    torch.Tensor.new_tensor: (1, "data")}
 
 
 class _LiftMetaConstants(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
         at = _DATA_AT.get(func)
-        if (at is None or type(out) is not torch.Tensor or not out.is_meta
-                or (len(args) > at and _not_python_data(args[at]))):
+        if at is None or type(out) is not torch.Tensor or not out.is_meta:
             return out
-        return _LIFT(out)
+        data = args[at[0]] if len(args) > at[0] else kwargs.get(at[1])
+        return out if data is None or _not_python_data(data) else _LIFT(out)
 
 
 def _not_python_data(data: Any) -> bool:
     """Data these factories copy or convert rather than build (no lift_fresh of theirs on the
     meta device either, or one for a CPU copy first): tensors and arrays."""
-    return isinstance(data, (torch.Tensor, FakeTensor)) or hasattr(data, "__array__")
+    return isinstance(data, torch.Tensor) or hasattr(data, "__array__")
 
 
 def on_meta(model: torch.nn.Module) -> bool:

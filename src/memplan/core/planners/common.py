@@ -9,14 +9,14 @@ from memplan.core import graph as g
 from memplan.core import schedule as S
 from memplan.core.budget import budget_too_small
 from memplan.core.plan import Plan, make_plan
+from memplan.errors import bad_arg
+
+ChainLike = g.Graph | C.Chain
 
 # The dynamic program plans through every cut point of a graph up to this many (core.fit,
 # and ilp beside its own chain): cut points that are not clean boundaries (a skip held
 # across them) can still lower the peak, and the evaluation judges.
 ALL_CUTS = 400
-from memplan.errors import bad_arg
-
-ChainLike = g.Graph | C.Chain
 
 
 def as_chain(obj: ChainLike) -> C.Chain:

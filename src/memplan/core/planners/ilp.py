@@ -257,10 +257,11 @@ def _status(res: MilpResult, max_depth: int, node_limit: int) -> str:
 def _least_peak_of_dp(graph: ChainLike, out: _Out, dp: Plan, drop_cheap: bool,
                       stage_time_s: list[float] | None) -> Plan:
     """Without a budget, the dynamic program's least-peak plan on the ILP's chain (or on the
-    graph's other chain when lower, ``_other_dp``): it lies within 1/1024 of the plain peak above the least peak of
-    any schedule at any depth (``optimal.least_peak_schedule``), which a MILP over schedules
-    nested <= max_depth deep cannot go below. The MILP is not run: on 36 stages it spent 32 s
-    CPU at its node limit to find a higher peak than this plan's."""
+    graph's other chain when lower, ``_other_dp``): it lies within 1/1024 of the plain peak
+    above the least peak of any schedule at any depth (``optimal.least_peak_schedule``),
+    which a MILP over schedules nested <= max_depth deep cannot go below. The MILP is not
+    run: on 36 stages it spent 32 s CPU at its node limit to find a higher peak than this
+    plan's."""
     found = _other_dp(graph, out.chain, None, drop_cheap, stage_time_s)
     why = ("the least peak: the 'optimal' dynamic program's least-peak plan (within 1/1024 of "
            "the plain peak above the least peak of any schedule, every nesting depth: a MILP "
@@ -300,7 +301,8 @@ def _other_dp(graph: ChainLike, chain: C.Chain, budget_bytes: int | None, drop_c
         n_cuts = len(graph.cut_points)
         if not other.n < n_cuts <= ALL_CUTS:
             return None
-        other, which = C.build_chain(graph, list(range(n_cuts))), "the chain through every cut point"
+        other = C.build_chain(graph, list(range(n_cuts)))
+        which = "the chain through every cut point"
     try:
         return plan_optimal(other, budget_bytes, drop_cheap=drop_cheap), which
     except BudgetTooSmall:
