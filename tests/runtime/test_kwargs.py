@@ -144,6 +144,26 @@ def test_a_model_input_passed_to_plan_as_a_setting_names_kwargs() -> None:
         memplan.plan(model, batch["x"], planner="sqrt", slots=64)
 
 
+def test_a_batch_spread_as_keywords_names_kwargs() -> None:
+    """``capture(model, **batch)``, as the model itself is called: each entry point names the
+    keyword and points to ``kwargs=`` (it was Python's TypeError); a misspelt setting is
+    named with what the entry point takes."""
+    model, batch = _model()
+    plan = memplan.plan(model, kwargs=batch, loss_fn=_loss, planner="sqrt")
+    calls = {"capture": lambda: memplan.capture(model, **batch),
+             "measure": lambda: memplan.measure(model, **batch),
+             "apply": lambda: memplan.apply(copy.deepcopy(model), plan, **batch),
+             "verify": lambda: verify(model, plan, **batch)}
+    for name, call in calls.items():
+        with pytest.raises(ConfigError, match=rf"x: expected an argument of memplan\.{name} "
+                           r"\(the model's keyword inputs go in kwargs=\).*"
+                           rf"memplan\.{name}\(model, kwargs=\{{'x': \.\.\., \.\.\.\}}\)"):
+            call()
+    with pytest.raises(ConfigError, match=r"los_fn: expected an argument of memplan\.capture, "
+                       r"got None\. memplan\.capture takes kwargs=, loss_fn= and device="):
+        memplan.capture(model, kwargs=batch, los_fn=None)
+
+
 def test_workloads_and_graphs_take_no_keyword_inputs() -> None:
     _, batch = _model()
     w = memplan.models.get("gpt", layers=2)

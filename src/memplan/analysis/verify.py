@@ -21,7 +21,7 @@ from memplan.errors import bad_arg
 from memplan.models import Workload
 from memplan.runtime.apply import apply
 from memplan.tracing.measure import measure
-from memplan.tracing.step import check_kwargs, default_loss
+from memplan.tracing.step import check_kwargs, default_loss, refuse_stray
 from memplan.tracing.timing import step_times
 
 PEAK_TOLERANCE = 0.02  # predicted vs measured peak
@@ -86,10 +86,12 @@ class VerifyReport:
 
 
 def verify(w_or_model: Any, plan: Plan, *inputs: Any, kwargs: Mapping[str, Any] | None = None,
-           loss_fn: Any = None, device: str = "cpu", repeat: int = 5, seed: int = 1
-           ) -> VerifyReport:
+           loss_fn: Any = None, device: str = "cpu", repeat: int = 5, seed: int = 1,
+           **stray: Any) -> VerifyReport:
     """Compare one plain and one planned real step of a Workload or ``model, *inputs``
     (``kwargs``: inputs the forward takes by keyword)."""
+    refuse_stray("memplan.verify", stray,
+                 "kwargs=, loss_fn=, device=, repeat= and seed=")
     if repeat < 1:
         raise bad_arg("repeat", "an integer >= 1", repeat, "Use repeat=5 (the default).")
     kw = check_kwargs(kwargs)

@@ -33,7 +33,7 @@ from memplan.runtime.probe import FakeForward, probe
 from memplan.runtime.replay import replaying
 from memplan.runtime.tape import Namer, UnitInfo, unit_info
 from memplan.runtime.wrappers import check_wrappers
-from memplan.tracing.step import check_kwargs
+from memplan.tracing.step import check_kwargs, refuse_stray
 
 _ATTR = "_memplan_applied"
 
@@ -183,7 +183,7 @@ class _PostHook:
 def apply(model: nn.Module, plan: Plan | str | dict[str, Any] | None = None, *,
           budget: object = None, inputs: tuple[Any, ...] | None = None,
           kwargs: Mapping[str, Any] | None = None, loss_fn: Any = None,
-          planner: str = "optimal", objective: str = "flops") -> nn.Module:
+          planner: str = "optimal", objective: str = "flops", **stray: Any) -> nn.Module:
     """Make ``model`` train under ``plan`` (a Plan, its JSON file, or its dict), or plan and
     apply in one call: ``apply(model, budget="6GiB", inputs=(x,), loss_fn=...)``.
     ``inputs`` and ``kwargs`` (inputs taken by keyword): the example inputs the plan is
@@ -193,6 +193,8 @@ def apply(model: nn.Module, plan: Plan | str | dict[str, Any] | None = None, *,
     Raises PlanMismatch (and leaves the model untouched) when the plan was made for another
     model; warns, with the predicted peak, when ``inputs`` have other shapes than the plan's.
     """
+    refuse_stray("memplan.apply", stray, "budget=, inputs=, kwargs=, loss_fn=, planner= "
+                 "and objective=")
     _check_model(model, inputs)
     kw = None if kwargs is None else check_kwargs(kwargs)
     if kw is not None and inputs is None:

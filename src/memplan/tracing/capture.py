@@ -11,12 +11,20 @@ import torch
 from memplan.core import graph as g
 from memplan.core.liveness import cut_points
 from memplan.tracing.stamp import StampMismatch
-from memplan.tracing.step import LossFn, Target, as_target, no_cyclic_gc, run_step
+from memplan.tracing.step import (
+    LossFn,
+    Target,
+    as_target,
+    no_cyclic_gc,
+    refuse_stray,
+    run_step,
+)
 from memplan.tracing.tracer import StepTracer
 
 
 def capture(model: Any, *inputs: Any, kwargs: Mapping[str, Any] | None = None,
-            loss_fn: LossFn | None = None, device: str | None = None) -> g.Graph:
+            loss_fn: LossFn | None = None, device: str | None = None,
+            **stray: Any) -> g.Graph:
     """Capture a Workload (``memplan.models.get(...)``) or ``model, *inputs, loss_fn=...``;
     ``kwargs``: inputs the forward takes by keyword (``model(*inputs, **kwargs)``; for a
     Hugging Face batch, ``kwargs=batch``).
@@ -26,6 +34,7 @@ def capture(model: Any, *inputs: Any, kwargs: Mapping[str, Any] | None = None,
     (Workloads only; a user model is captured where its parameters are): kernels differ by
     device (e.g. attention on CUDA), so capture for the device you train on.
     """
+    refuse_stray("memplan.capture", stray, "kwargs=, loss_fn= and device=")
     return capture_target(as_target(model, inputs, loss_fn, kwargs), device)
 
 

@@ -12,7 +12,7 @@ from memplan.core import graph as g
 from memplan.core.report import MemoryReport
 from memplan.errors import bad_arg
 from memplan.tracing.device import check_device
-from memplan.tracing.step import LossFn, StepResult, Target, as_target, run_step
+from memplan.tracing.step import LossFn, StepResult, Target, as_target, refuse_stray, run_step
 from memplan.tracing.timing import step_times
 
 
@@ -24,6 +24,7 @@ def measure(
     simulate: bool = True,
     device: str = "cpu",
     repeat: int = 3,
+    **stray: Any,
 ) -> MemoryReport:
     """Peak bytes of one forward+loss+backward step.
 
@@ -33,6 +34,8 @@ def measure(
     A Workload is built on ``device``; a user model and inputs are used where they are.
     ``kwargs``: inputs the forward takes by keyword (``model(*inputs, **kwargs)``).
     """
+    refuse_stray("memplan.measure", stray,
+                 "kwargs=, loss_fn=, simulate=, device= and repeat=")
     if repeat < 1:
         raise bad_arg("repeat", "an integer >= 1", repeat, "Use repeat=3 (the default).")
     dev = check_device(device)

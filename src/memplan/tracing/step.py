@@ -96,6 +96,23 @@ def check_kwargs(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
     return dict(kwargs)
 
 
+def refuse_stray(where: str, stray: Mapping[str, Any], takes: str) -> None:
+    """A keyword ``where`` does not take (``memplan.capture(model, **batch)``), as an error
+    that names it and, where it holds a tensor, points to ``kwargs=``."""
+    if not stray:
+        return
+    name, value = next(iter(stray.items()))
+    if isinstance(value, torch.Tensor):
+        raise bad_arg(name, f"an argument of {where} (the model's keyword inputs go in "
+                      "kwargs=)", f"a tensor of shape {list(value.shape)}",
+                      f"Pass them as {where}(model, kwargs={{{name!r}: ..., ...}}) (a whole "
+                      f"batch: kwargs=batch).")
+    shown = value if value is None or isinstance(value, (bool, int, float, str)) \
+        else type(value).__name__
+    raise bad_arg(name, f"an argument of {where}", shown,
+                  f"{where} takes {takes}; a model's keyword inputs go in kwargs=.")
+
+
 def default_loss(out: Any) -> torch.Tensor:
     """The loss when none is given: the mean of the model's (tensor) output."""
     if isinstance(out, torch.Tensor):
