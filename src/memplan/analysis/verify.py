@@ -90,8 +90,7 @@ def verify(w_or_model: Any, plan: Plan, *inputs: Any, kwargs: Mapping[str, Any] 
            **stray: Any) -> VerifyReport:
     """Compare one plain and one planned real step of a Workload or ``model, *inputs``
     (``kwargs``: inputs the forward takes by keyword)."""
-    refuse_stray("memplan.verify", stray,
-                 "kwargs=, loss_fn=, device=, repeat= and seed=")
+    refuse_stray(verify, stray)
     if repeat < 1:
         raise bad_arg("repeat", "an integer >= 1", repeat, "Use repeat=5 (the default).")
     kw = check_kwargs(kwargs)

@@ -193,8 +193,7 @@ def apply(model: nn.Module, plan: Plan | str | dict[str, Any] | None = None, *,
     Raises PlanMismatch (and leaves the model untouched) when the plan was made for another
     model; warns, with the predicted peak, when ``inputs`` have other shapes than the plan's.
     """
-    refuse_stray("memplan.apply", stray, "budget=, inputs=, kwargs=, loss_fn=, planner= "
-                 "and objective=")
+    refuse_stray(apply, stray)
     _check_model(model, inputs)
     kw = None if kwargs is None else check_kwargs(kwargs)
     if kw is not None and inputs is None:

@@ -34,7 +34,7 @@ def capture(model: Any, *inputs: Any, kwargs: Mapping[str, Any] | None = None,
     (Workloads only; a user model is captured where its parameters are): kernels differ by
     device (e.g. attention on CUDA), so capture for the device you train on.
     """
-    refuse_stray("memplan.capture", stray, "kwargs=, loss_fn= and device=")
+    refuse_stray(capture, stray)
     return capture_target(as_target(model, inputs, loss_fn, kwargs), device)
 
 

@@ -34,8 +34,7 @@ def measure(
     A Workload is built on ``device``; a user model and inputs are used where they are.
     ``kwargs``: inputs the forward takes by keyword (``model(*inputs, **kwargs)``).
     """
-    refuse_stray("memplan.measure", stray,
-                 "kwargs=, loss_fn=, simulate=, device= and repeat=")
+    refuse_stray(measure, stray)
     if repeat < 1:
         raise bad_arg("repeat", "an integer >= 1", repeat, "Use repeat=3 (the default).")
     dev = check_device(device)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import inspect
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -96,21 +97,27 @@ def check_kwargs(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
     return dict(kwargs)
 
 
-def refuse_stray(where: str, stray: Mapping[str, Any], takes: str) -> None:
-    """A keyword ``where`` does not take (``memplan.capture(model, **batch)``), as an error
-    that names it and, where it holds a tensor, points to ``kwargs=``."""
+def refuse_stray(fn: Callable[..., Any], stray: Mapping[str, Any]) -> None:
+    """A keyword ``fn`` (a memplan entry point) does not take (``memplan.capture(model,
+    **batch)``), as an error that names it and, where it holds a tensor, points to
+    ``kwargs=``; otherwise it lists what ``fn`` takes, read off its signature."""
     if not stray:
         return
+    where = f"memplan.{fn.__name__}"
     name, value = next(iter(stray.items()))
     if isinstance(value, torch.Tensor):
         raise bad_arg(name, f"an argument of {where} (the model's keyword inputs go in "
                       "kwargs=)", f"a tensor of shape {list(value.shape)}",
                       f"Pass them as {where}(model, kwargs={{{name!r}: ..., ...}}) (a whole "
                       f"batch: kwargs=batch).")
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    takes = [f"{p.name}=" for p in list(inspect.signature(fn).parameters.values())[1:]
+             if p.kind in named]
     shown = value if value is None or isinstance(value, (bool, int, float, str)) \
         else type(value).__name__
     raise bad_arg(name, f"an argument of {where}", shown,
-                  f"{where} takes {takes}; a model's keyword inputs go in kwargs=.")
+                  f"{where} takes {', '.join(takes[:-1])} and {takes[-1]}; a model's keyword "
+                  "inputs go in kwargs=.")
 
 
 def default_loss(out: Any) -> torch.Tensor:
